@@ -1,0 +1,98 @@
+"""One config tree for the engine: model shape, KV cache, scheduler, engine.
+
+Every dataclass validates itself in ``__post_init__`` so that a bad value fails at construction with a
+message that names the field, never deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer (Llama, Qwen2, Qwen3 families)."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in ("llama", "qwen2", "qwen3"), "architecture",
+                 f"unsupported architecture {self.architecture!r}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads"):
+            _require(int(getattr(self, f)) > 0, f, "must be positive")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                 "must divide num_attention_heads")
+        if self.head_dim is None:
+            _require(self.hidden_size % self.num_attention_heads == 0, "head_dim",
+                     "hidden_size must be divisible by num_attention_heads when head_dim is not given")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots per layer."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, "block_size", "must be positive")
+        _require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", "must be positive")
+        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be positive")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching: FCFS, a per-step token budget, a cap on running sequences."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, in one tree."""
+
+    model: str = "default"  # path to a GGUF file or HF directory, "default", or "dummy:<shape>"
+    served_model_name: str | None = None
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"unsupported dtype {self.dtype!r}")

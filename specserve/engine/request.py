@@ -1,0 +1,83 @@
+"""A request's life inside the engine: tokens, KV progress, stop conditions, timestamps.
+
+``all_ids = prompt_ids + output_ids``; ``num_computed_tokens`` of them have KV in the cache. The last
+sampled token has no KV yet, so a decoding request schedules ``num_tokens - num_computed_tokens == 1``
+token; a request preempted by recompute restarts at ``num_computed_tokens = 0`` and prefills its prompt
+and its outputs again before sampling the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens emitted this step
+    new_text: str  # detokenized delta; text from a stop string on never appears
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None  # per-request seeded sampling
+    # text state
+    output_text: str = ""  # full detokenized text, truncated at a stop string
+    num_text_emitted: int = 0  # chars of output_text already streamed
+    detokenizer: object | None = None
+    # timestamps (time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]

@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus; Holtzman et al., arXiv 1904.09751).
+
+``target_probs`` gives the exact distribution a request samples from after its temperature, top-k and
+top-p are applied; the speculative verifier uses the same function, so speculation is lossless with
+respect to what plain sampling would do. Random draws use the request's own ``torch.Generator`` when it
+has a seed, so a seeded request is reproducible whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.sampling import SamplingParams
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, already divided by temperature
+    top_k: list[int],  # [num_rows], 0 = disabled
+    top_p: list[float],  # [num_rows], 1.0 = disabled
+) -> torch.Tensor:  # [num_rows, vocab_size], masked entries set to -inf
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    device = logits.device
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)  # [rows]
+    ranks = torch.arange(vocab, device=device)
+    remove = ranks[None, :] >= k[:, None]  # beyond top-k
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    p = torch.tensor(top_p, dtype=probs.dtype, device=device)  # [rows]
+    # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def target_probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    params: list[SamplingParams],  # [num_rows], none greedy
+) -> torch.Tensor:  # [num_rows, vocab_size] float32
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temps[:, None]
+    scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+    return scaled.softmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    params: list[SamplingParams],  # [num_rows]
+    generators: list[torch.Generator | None],  # [num_rows]; None -> default_generator
+    default_generator: torch.Generator,
+) -> list[int]:
+    """One token per row."""
+    out = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return out
+    probs = target_probs(logits[random_rows], [params[i] for i in random_rows])
+    for j, i in enumerate(random_rows):
+        gen = generators[i] or default_generator
+        out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+    return out

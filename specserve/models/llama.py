@@ -1,0 +1,176 @@
+"""Llama-architecture decoder (Touvron et al., arXiv 2302.13971; Llama 3, arXiv 2407.21783), which also
+covers Qwen2 (bias on the q/k/v projections) and Qwen3 (per-head RMSNorm on q and k).
+
+The model reads a packed ragged batch: ``input_ids`` and ``positions`` are ``[num_tokens]`` over all
+sequences of the step, and attention goes through the backend with the step's metadata. Projections are
+fused at load time (q|k|v into one matrix, gate|up into one) to halve the number of matmul launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        positions: torch.Tensor,  # [num_tokens]
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        positions: torch.Tensor,  # [num_tokens]
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 dense decoder with an LM head."""
+
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.max_position = max_position
+        self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
+
+    def init_rope(self, device: torch.device) -> None:
+        c = self.config
+        self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final normed hidden states ``[num_tokens, hidden_size]`` and the inputs of the
+        layers named in ``aux_layer_ids`` (EAGLE-3 fuses low/mid/high target features)."""
+        x = self.embed_tokens(input_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                aux.append(x)
+            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+        return self.norm(x), aux
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [num_rows, hidden_size]
+    ) -> torch.Tensor:  # [num_rows, vocab_size] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q|k|v and gate|up. Every parameter must be covered."""
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = self.get_parameter(name)
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing weight {name}")
+            return state[name]
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(self.config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
+            a = src + "self_attn."
+            put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]))
+            if self.config.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                    [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]))
+            put(dst + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
+            if self.config.qk_norm:
+                put(dst + "self_attn.q_norm.weight", take(a + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(a + "k_norm.weight"))
+            m = src + "mlp."
+            put(dst + "mlp.gate_up_proj.weight", torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+            put(dst + "mlp.down_proj.weight", take(m + "down_proj.weight"))
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

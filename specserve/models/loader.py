@@ -1,0 +1,78 @@
+"""Load a target model from a GGUF file, a Hugging Face safetensors directory, or dummy weights of a
+named shape, onto the device the caller passes in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.shapes import shape_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is float32 on CPU (fastest there without bf16 matmul units) and bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def build_model(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Construct on the meta device (no allocation), then materialise uninitialised on ``device``."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    model.init_rope(device)
+    return model.eval()
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                std = 1.0 / p.shape[-1] ** 0.5
+                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+
+
+def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
+               seed: int = 0):
+    """Returns ``(model, model_config, tokenizer_or_None)``.
+
+    ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
+    "dummy:<shape>" (random weights; no tokenizer).
+    """
+    dtype = resolve_dtype(dtype_name, device)
+    if model.startswith("dummy:"):
+        config = shape_config(model.split(":", 1)[1])
+        max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
+        net = build_model(config, max_pos, dtype, device)
+        _init_dummy(net, seed)
+        return net, config, None
+    if model == "default":
+        from specserve.models.fetch import default_model_path
+        path = default_model_path()
+    else:
+        path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model: {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from specserve.models.gguf_loader import load_gguf
+        config, state, tokenizer = load_gguf(path, torch.float32)
+    elif path.is_dir():
+        from specserve.models.safetensors_loader import load_hf_dir
+        config, state, tokenizer = load_hf_dir(path, torch.float32)
+    else:
+        raise ValueError(f"model: {path} is neither a .gguf file nor a Hugging Face directory")
+    max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
+    net = build_model(config, max_pos, dtype, device)
+    net.load_hf_state_dict(state)
+    return net, config, tokenizer

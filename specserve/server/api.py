@@ -1,0 +1,442 @@
+"""The OpenAI-compatible HTTP API: ``build_app(async_engine, served_model_name) -> FastAPI``.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(both streamed as server-sent events when ``stream`` is true) and ``GET /metrics`` (Prometheus).
+
+One request, in order (each step answers a 4xx ``{"error": {message, type, param, code}}`` on bad input):
+
+1. read the body, at most ``max_request_body_bytes`` (413 beyond);
+2. validate it strictly (``protocol.parse_request``): malformed JSON, wrong types and out-of-range values
+   are all 400 with ``param`` naming the field, never FastAPI's 422;
+3. check ``model`` (404), render the chat template and tokenize in a worker thread;
+4. check the length: the prompt must leave room for one token (400 naming ``messages``/``prompt``) and
+   prompt + ``max_tokens`` must fit ``max_model_len`` (400 naming ``max_tokens``); ``max_tokens`` defaults
+   to what is left of the context;
+5. iterate ``async_engine.generate``. Whatever ends the iteration early (client disconnect, error) closes
+   the engine's generator and aborts the request, so its KV blocks are freed.
+
+No module-level state: the engine, model name, metrics and limits live on ``app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.sampling import SamplingParams
+from specserve.server.metrics import ServingMetrics
+from specserve.server.protocol import (
+    APIError,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    parse_request,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client is gone and never reads it
+
+T = TypeVar("T")
+
+
+def build_app(async_engine: Any, served_model_name: str | None = None, *,
+              metrics: ServingMetrics | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """An app serving ``async_engine`` (an ``AsyncEngine``) under ``served_model_name``.
+
+    ``metrics`` defaults to the engine's own ``metrics`` attribute (the ``ServingMetrics`` the engine loop
+    records into); failing that, a fresh, never-updated ``ServingMetrics`` so /metrics still answers.
+    The lifespan starts the engine loop inside the server's event loop and shuts it down on exit.
+    """
+    name = served_model_name or async_engine.model_name
+    if metrics is None:
+        metrics = getattr(async_engine, "metrics", None)
+    if metrics is None:
+        logger.warning("engine has no ServingMetrics; /metrics will export zeros")
+        metrics = ServingMetrics(name, max_model_len=async_engine.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.served_model_name = name
+    app.state.metrics = metrics
+    app.state.max_request_body_bytes = max_request_body_bytes
+
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/metrics", render_metrics, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    return app
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def _error_json(status_code: int, info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status_code)
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code)
+
+
+async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return _error_json(exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error"))
+
+
+async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    param = str(errors[0]["loc"][-1]) if errors and errors[0].get("loc") else None
+    message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:3])
+    return _error_json(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+
+async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_json(500, ErrorInfo(message=f"Internal server error: {type(exc).__name__}: {exc}",
+                                      type="internal_server_error"))
+
+
+# ---------------------------------------------------------------------------------------- simple routes
+
+
+async def health(request: Request) -> Response:
+    if getattr(request.app.state.engine, "errored", False):
+        return _error_json(503, ErrorInfo(message="engine loop has died", type="service_unavailable"))
+    return Response(status_code=200)
+
+
+async def list_models(request: Request) -> ModelList:
+    state = request.app.state
+    return ModelList(data=[ModelCard(id=state.served_model_name, max_model_len=state.engine.max_model_len)])
+
+
+async def render_metrics(request: Request) -> Response:
+    body, content_type = request.app.state.metrics.render()
+    return Response(content=body, media_type=content_type)
+
+
+# ----------------------------------------------------------------------------------- request preparation
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    model: str
+    stream: bool
+    include_usage: bool
+    created: int
+
+
+async def _read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 beyond the configured size (checked before and while reading)."""
+    max_bytes = request.app.state.max_request_body_bytes
+    too_large = APIError(f"Request body too large: the limit is {max_bytes} bytes", status_code=413,
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_model(request: Request, model: str | None) -> str:
+    served = request.app.state.served_model_name
+    if model is not None and model != served:
+        raise APIError(f"The model `{model}` does not exist (this server serves `{served}`).",
+                       status_code=404, param="model", code="model_not_found")
+    return served
+
+
+def _sampling_params(request: Request, req: ChatCompletionRequest | CompletionRequest,
+                     prompt_ids: list[int], prompt_field: str) -> SamplingParams:
+    """Length checks against ``max_model_len`` and the engine's ``SamplingParams`` for ``req``."""
+    max_model_len = request.app.state.engine.max_model_len
+    num_prompt = len(prompt_ids)
+    if num_prompt == 0:
+        raise APIError(f"{prompt_field}: the prompt is empty", param=prompt_field)
+    if num_prompt >= max_model_len:
+        raise APIError(
+            f"{prompt_field}: this model's maximum context length is {max_model_len} tokens, but the "
+            f"{prompt_field} has {num_prompt} tokens, leaving no room for output", param=prompt_field,
+            code="context_length_exceeded")
+    max_tokens, max_tokens_field = req.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt
+    elif num_prompt + max_tokens > max_model_len:
+        raise APIError(
+            f"{max_tokens_field}: {max_tokens} output tokens + {num_prompt} tokens in {prompt_field} exceed "
+            f"this model's maximum context length of {max_model_len} tokens", param=max_tokens_field,
+            code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as exc:  # SamplingParams names the field before a colon
+        message = str(exc)
+        raise APIError(message, param=message.split(":", 1)[0] if ":" in message else None) from None
+
+
+async def _prepare_chat(request: Request) -> _Prepared:
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_body(request))
+    model = _check_model(request, req.model)
+    tokenizer = request.app.state.engine.tokenizer
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+
+    def render_and_encode() -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise APIError(f"messages: {exc}", param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    prompt_ids = await run_in_threadpool(render_and_encode)
+    params = _sampling_params(request, req, prompt_ids, "messages")
+    return _Prepared(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, params, model, req.stream,
+                     req.include_usage, int(time.time()))
+
+
+async def _prepare_completion(request: Request) -> _Prepared:
+    req: CompletionRequest = parse_request(CompletionRequest, await _read_body(request))
+    model = _check_model(request, req.model)
+    tokenizer = request.app.state.engine.tokenizer
+    if isinstance(req.prompt, list) and isinstance(req.prompt[0], int):
+        prompt_ids = list(req.prompt)
+        if max(prompt_ids) >= tokenizer.vocab_size:
+            raise APIError(f"prompt: token id {max(prompt_ids)} is out of range (vocab size "
+                           f"{tokenizer.vocab_size})", param="prompt")
+    else:
+        text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        prompt_ids = await run_in_threadpool(tokenizer.encode, text, add_special_tokens=False)
+    params = _sampling_params(request, req, prompt_ids, "prompt")
+    return _Prepared(f"cmpl-{uuid.uuid4().hex}", prompt_ids, params, model, req.stream,
+                     req.include_usage, int(time.time()))
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class _Final:
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
+                         total_tokens=self.num_prompt_tokens + self.num_output_tokens)
+
+
+async def _iterate(engine: Any, prep: _Prepared) -> AsyncIterator[Any]:
+    """``engine.generate`` up to its finished output; closing or cancelling this aborts the request."""
+    outputs = engine.generate(prep.request_id, prep.prompt_ids, prep.params)
+    finished = False
+    try:
+        async for out in outputs:
+            finished = out.finished
+            yield out
+            if finished:
+                break
+    finally:
+        if not finished:
+            engine.abort(prep.request_id)
+        with anyio.CancelScope(shield=True):
+            await outputs.aclose()
+
+
+async def _collect(engine: Any, prep: _Prepared) -> _Final:
+    parts: list[str] = []
+    final = _Final("", None, len(prep.prompt_ids), 0)
+    gen = _iterate(engine, prep)
+    try:
+        async for out in gen:
+            parts.append(out.new_text)
+            final.num_prompt_tokens = out.num_prompt_tokens
+            final.num_output_tokens = out.num_output_tokens
+            final.finish_reason = out.finish_reason
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+    final.text = "".join(parts)
+    return final
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work`` unless the client disconnects first (then cancel it and return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        with anyio.CancelScope(shield=True):  # let the aborting finally blocks run
+            await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+def _sse(obj: BaseModel) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _sse_error(exc: Exception) -> str:
+    logger.error("error while streaming", exc_info=exc)
+    info = ErrorInfo(message=f"Internal server error: {type(exc).__name__}: {exc}",
+                     type="internal_server_error")
+    return _sse(ErrorResponse(error=info)) + "data: [DONE]\n\n"
+
+
+async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncIterator[str]:
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
+        choice = ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)
+        return _sse(ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
+                                        choices=[choice]))
+
+    final = _Final("", None, len(prep.prompt_ids), 0)
+    gen = _iterate(engine, prep)
+    try:
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        async for out in gen:
+            final.num_prompt_tokens, final.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+            if out.new_text:
+                yield chunk(DeltaMessage(content=out.new_text))
+            if out.finished:
+                yield chunk(DeltaMessage(), out.finish_reason)
+        if prep.include_usage:
+            yield _sse(ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
+                                           choices=[], usage=final.usage()))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # headers are sent: report in-band, keep the server up
+        yield _sse_error(exc)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+
+
+async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncIterator[str]:
+    def chunk(text: str, finish_reason: str | None = None) -> str:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return _sse(CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
+                                       choices=[choice]))
+
+    final = _Final("", None, len(prep.prompt_ids), 0)
+    gen = _iterate(engine, prep)
+    try:
+        async for out in gen:
+            final.num_prompt_tokens, final.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+            if out.new_text:
+                yield chunk(out.new_text)
+            if out.finished:
+                yield chunk("", out.finish_reason)
+        if prep.include_usage:
+            yield _sse(CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
+                                          choices=[], usage=final.usage()))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        yield _sse_error(exc)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def create_chat_completion(request: Request) -> Response:
+    prep = await _prepare_chat(request)
+    engine = request.app.state.engine
+    if prep.stream:
+        return StreamingResponse(_stream_chat(engine, prep), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
+    final = await _cancel_on_disconnect(request, _collect(engine, prep))
+    if final is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choice = ChatCompletionChoice(message=ChatResponseMessage(content=final.text),
+                                  finish_reason=final.finish_reason)
+    response = ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
+                                      choices=[choice], usage=final.usage())
+    return JSONResponse(response.model_dump())
+
+
+async def create_completion(request: Request) -> Response:
+    prep = await _prepare_completion(request)
+    engine = request.app.state.engine
+    if prep.stream:
+        return StreamingResponse(_stream_completion(engine, prep), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
+    final = await _cancel_on_disconnect(request, _collect(engine, prep))
+    if final is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+    response = CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
+                                  choices=[choice], usage=final.usage())
+    return JSONResponse(response.model_dump())

@@ -1,0 +1,372 @@
+"""OpenAI wire format: chat completions, completions, models, errors (pydantic models).
+
+Requests are validated in strict JSON mode (``parse_request``), so ``"temperature": "0.5"`` is a type error
+rather than silently coerced, and every failure becomes an ``APIError`` whose ``param`` names the offending
+top-level field. The server answers every validation failure with HTTP 400 (what OpenAI and vLLM do), never
+FastAPI's default 422.
+
+Supported subset: one choice (``n == 1``), no logprobs, no penalties other than 0, text content parts only.
+``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM; ``speculative`` is
+accepted and stored for the speculative-decoding policy. Unknown fields are ignored, as OpenAI-compatible
+servers usually do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+MAX_STOP_SEQUENCES = 4
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status_code``."""
+
+    def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines (as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat completions and completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # Speculative-decoding hints for this request (method name or options); stored, given meaning later.
+    speculative: dict[str, Any] | str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int | None) -> int | None:
+        if v is not None and v < -1:
+            raise ValueError("must be -1 (disabled), 0 (disabled) or a positive integer")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v: StreamOptions | None, info: Any) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported; only 0 is accepted")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(max tokens asked for, the field that asked); max_completion_tokens wins, as in OpenAI."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list):
+            if len(v) == 0:
+                raise ValueError("must not be empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            if isinstance(v[0], int) and min(v) < 0:
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+
+_PRIMITIVE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names union members in ``loc`` ('str', 'list[int]', 'TextContentPart'); fields are not."""
+    return part in _PRIMITIVE_TAGS or "[" in part or "-" in part or part[:1].isupper()
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'content')`` -> ``messages[0].content``; union-member tags are kept out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not out:
+            out = str(part)
+        elif _is_union_tag(str(part)):
+            continue
+        else:
+            out += f".{part}"
+    return out
+
+
+def parse_request(model: type[_SamplingRequest], body: bytes) -> Any:
+    """Validate a JSON body into ``model`` or raise a 400 ``APIError`` naming the field."""
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise APIError(f"Malformed JSON body: {first['msg']}", code="invalid_json") from None
+        if not first["loc"]:
+            raise APIError(f"Invalid request body: {first['msg']}") from None
+        param = str(first["loc"][0])
+        # A union yields one error per member; report the ones about the first failing field, deduplicated.
+        details: list[str] = []
+        for err in errors:
+            if not err["loc"] or str(err["loc"][0]) != param:
+                continue
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                msg = "field required"
+            line = f"{_format_loc(err['loc'])}: {msg}"
+            if line not in details:
+                details.append(line)
+        raise APIError("; ".join(details[:3]), param=param) from None
+
+
+# -------------------------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the non-streaming response and each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,1 @@
+"""Integration tests: the HTTP server against an engine (fake by default, see conftest.py)."""

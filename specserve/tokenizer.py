@@ -135,7 +135,8 @@ class Tokenizer:
             reader = _gguf.GGUFReader(str(reader_or_path))
         model = field_value(reader, "tokenizer.ggml.model")
         if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, i.e. byte-level BPE)")
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} "
+                             "(supported: gpt2, i.e. byte-level BPE)")
         tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
         types: list[int] = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
@@ -151,9 +152,9 @@ class Tokenizer:
         # control tokens (<|im_start|>) are special: matched whole, skipped by decode(skip_special_tokens);
         # user-defined ones (<think>) are matched whole but are ordinary text, as in HF tokenizer.json files
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
+                                    for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+                            for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
 
         def token(key: str) -> str | None:
             i = field_value(reader, key)
@@ -164,7 +165,7 @@ class Tokenizer:
         if add_bos:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
-        extra_eos = [field_value(reader, k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+        extra_eos = [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
         eos_ids = [vocab[eos]] if eos is not None else []
         eos_ids += [i for i in extra_eos if i is not None]
         return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,

@@ -4,6 +4,9 @@ Each sequence owns a block table: the ids of the fixed-size blocks holding its K
 Blocks are reference counted so that sequences can share a prefix (``fork``); a block returns to the
 free pool when its count drops to zero. Speculative decoding writes KV for draft tokens that the verifier
 may reject, so the last ``n`` slots of a sequence can be rolled back, releasing blocks left empty.
+Appending into a partially filled block that another sequence shares copies it first (copy-on-write):
+the copy is queued in ``pending_copies`` as ``(src_block, dst_block)`` for the model runner to perform
+before its next forward pass.
 
     block_size 4, slots 0..9 of a sequence  ->  table [b0, b1, b2], b2 holds slots 8, 9
     rollback(2)                             ->  table [b0, b1], b2 freed
@@ -28,6 +31,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -46,7 +50,12 @@ class BlockManager:
     def blocks_needed(self, seq_id: str, num_new_slots: int) -> int:
         have = len(self._tables.get(seq_id, ()))
         total = self._num_slots.get(seq_id, 0) + num_new_slots
-        return max(0, -(-total // self.block_size) - have)
+        return max(0, -(-total // self.block_size) - have) + int(self._needs_cow(seq_id, num_new_slots))
+
+    def _needs_cow(self, seq_id: str, num_new_slots: int) -> bool:
+        table = self._tables.get(seq_id)
+        return bool(table and num_new_slots and self._num_slots[seq_id] % self.block_size
+                    and self._ref_counts[table[-1]] > 1)
 
     def can_allocate(self, seq_id: str, num_new_slots: int) -> bool:
         return self.blocks_needed(seq_id, num_new_slots) <= len(self._free)
@@ -60,11 +69,17 @@ class BlockManager:
         need = self.blocks_needed(seq_id, num_new_slots)
         if need > len(self._free):
             raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
+        if self._needs_cow(seq_id, num_new_slots):
+            table = self._tables[seq_id]
+            shared = table[-1]
+            copy = self._free.popleft()
+            self._ref_counts[copy] = 1
+            self._ref_counts[shared] -= 1
+            table[-1] = copy
+            self.pending_copies.append((shared, copy))
+            need -= 1
         table = self._tables.setdefault(seq_id, [])
         self._num_slots.setdefault(seq_id, 0)
-        if table and num_new_slots and self._num_slots[seq_id] % self.block_size and \
-                self._ref_counts[table[-1]] > 1:
-            raise ValueError(f"sequence {seq_id}: cannot append into a shared partial block")
         for _ in range(need):
             block = self._free.popleft()
             self._ref_counts[block] = 1

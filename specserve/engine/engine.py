@@ -101,6 +101,8 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        self.runner.copy_blocks(self.block_manager.pending_copies)
+        self.block_manager.pending_copies.clear()
         tables = [self.block_manager.block_table(s.request.request_id) for s in sched.scheduled]
         logits = self.runner.execute(sched, tables)
         sampling = [s for s in sched.scheduled if s.samples]
@@ -189,6 +191,10 @@ class LLMEngine:
             time_per_output_token=tpot,
             e2e_latency=end - req.arrival_time,
         )
+
+    def record_idle(self) -> None:
+        """Publish queue and cache gauges outside a step (after an abort, say)."""
+        self._record_step(SchedulerOutput(), 0)
 
     def _record_step(self, sched: SchedulerOutput, num_sampled: int) -> None:
         if self.metrics is None:

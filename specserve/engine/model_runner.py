@@ -42,6 +42,17 @@ class ModelRunner:
                           for _ in range(model_config.num_hidden_layers)]
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
         """Returns logits ``[num_sampling_requests, vocab_size]`` (float32), in scheduled order."""
         input_ids: list[int] = []

@@ -90,7 +90,8 @@ def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: Path, max_shar
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups, start=1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: state_dict[n].contiguous() for n in group}, str(out_dir / fname), metadata={"format": "pt"})
+        save_file({n: state_dict[n].contiguous() for n in group}, str(out_dir / fname),
+                  metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, fname))
     total = sum(t.numel() * t.element_size() for t in state_dict.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

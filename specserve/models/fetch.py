@@ -105,6 +105,6 @@ def default_model_path() -> Path:
     """The cached default model, without network access; a clear error when it has not been fetched."""
     path = model_cache_path(DEFAULT_MODEL)
     if not path.exists():
-        raise FileNotFoundError(f"default model not found at {path}; run `make setup` (or "
-                                "`python -c 'from specserve.models.fetch import fetch_default_model as f; f()'`)")
+        raise FileNotFoundError(f"default model not found at {path}; run `make setup` "
+                                "(or call specserve.models.fetch.fetch_default_model())")
     return path

@@ -155,7 +155,8 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: Sequenc
     elif qtype in _BLOCK_DEQUANT:
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
         if numel % block_size != 0 or data.numel() != numel // block_size * type_size:
-            raise ValueError(f"{qtype.name}: {data.numel()} bytes do not hold a tensor of shape {tuple(shape)}")
+            raise ValueError(f"{qtype.name}: {data.numel()} bytes do not hold a tensor of shape "
+                             f"{tuple(shape)}")
         out = _BLOCK_DEQUANT[qtype](data.reshape(-1, type_size))
     else:
         supported = ", ".join(t.name for t in SUPPORTED_QTYPES)
@@ -227,7 +228,8 @@ def _llama3_from_rope_freqs(reader: gguf.GGUFReader, rope_theta: float, head_dim
     return params
 
 
-def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer, default_name: str = "model") -> ModelConfig:
+def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer,
+                     default_name: str = "model") -> ModelConfig:
     """Build a ``ModelConfig`` from ``{arch}.*`` metadata (llama, qwen2, qwen3)."""
     arch = field_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -297,7 +299,7 @@ _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    """HF name of a GGUF tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _IGNORED:

@@ -8,7 +8,8 @@ One request, in order (each step answers a 4xx ``{"error": {message, type, param
 1. read the body, at most ``max_request_body_bytes`` (413 beyond);
 2. validate it strictly (``protocol.parse_request``): malformed JSON, wrong types and out-of-range values
    are all 400 with ``param`` naming the field, never FastAPI's 422;
-3. check ``model`` (404), render the chat template and tokenize in a worker thread;
+3. check ``model`` (404), render the chat template and tokenize in a worker thread (chat: the template's
+   text without extra special tokens; completions: the prompt with them, e.g. BOS, as vLLM does);
 4. check the length: the prompt must leave room for one token (400 naming ``messages``/``prompt``) and
    prompt + ``max_tokens`` must fit ``max_model_len`` (400 naming ``max_tokens``); ``max_tokens`` defaults
    to what is left of the context;
@@ -24,7 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -267,7 +268,8 @@ async def _prepare_completion(request: Request) -> _Prepared:
                            f"{tokenizer.vocab_size})", param="prompt")
     else:
         text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-        prompt_ids = await run_in_threadpool(tokenizer.encode, text, add_special_tokens=False)
+        # As vLLM: a raw prompt gets the tokenizer's special tokens (BOS); a chat template writes its own.
+        prompt_ids = await run_in_threadpool(tokenizer.encode, text, add_special_tokens=True)
     params = _sampling_params(request, req, prompt_ids, "prompt")
     return _Prepared(f"cmpl-{uuid.uuid4().hex}", prompt_ids, params, model, req.stream,
                      req.include_usage, int(time.time()))
@@ -337,9 +339,9 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
         watcher.cancel()
         if not task.done():
             task.cancel()
+            with anyio.CancelScope(shield=True):  # let the aborting finally blocks run
+                await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        with anyio.CancelScope(shield=True):  # let the aborting finally blocks run
-            await asyncio.gather(task, return_exceptions=True)
         return None
     return task.result()
 
@@ -355,7 +357,7 @@ def _sse_error(exc: Exception) -> str:
     return _sse(ErrorResponse(error=info)) + "data: [DONE]\n\n"
 
 
-async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncIterator[str]:
+async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncGenerator[str, None]:
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
         choice = ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)
         return _sse(ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
@@ -382,7 +384,7 @@ async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncIterator[str]:
             await gen.aclose()
 
 
-async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncIterator[str]:
+async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncGenerator[str, None]:
     def chunk(text: str, finish_reason: str | None = None) -> str:
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return _sse(CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
@@ -408,15 +410,31 @@ async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncIterator[str]
             await gen.aclose()
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+class _EventStreamResponse(StreamingResponse):
+    """SSE response that always closes its generator, so a disconnect aborts the request at once.
+
+    Starlette cancels the sending task when the client disconnects; if that lands while the body generator
+    is suspended at a ``yield``, the generator would be finalized only by the garbage collector.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = content
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
 
 
 async def create_chat_completion(request: Request) -> Response:
     prep = await _prepare_chat(request)
     engine = request.app.state.engine
     if prep.stream:
-        return StreamingResponse(_stream_chat(engine, prep), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return _EventStreamResponse(_stream_chat(engine, prep))
     final = await _cancel_on_disconnect(request, _collect(engine, prep))
     if final is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -431,8 +449,7 @@ async def create_completion(request: Request) -> Response:
     prep = await _prepare_completion(request)
     engine = request.app.state.engine
     if prep.stream:
-        return StreamingResponse(_stream_completion(engine, prep), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return _EventStreamResponse(_stream_completion(engine, prep))
     final = await _cancel_on_disconnect(request, _collect(engine, prep))
     if final is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

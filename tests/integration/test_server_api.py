@@ -92,12 +92,12 @@ def test_completion(server: LiveServer) -> None:
     assert resp.id.startswith("cmpl-")
     assert resp.object == "text_completion"
     assert resp.choices[0].text
-    assert resp.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert resp.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPT, add_special_tokens=True))
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
 def test_completion_token_ids_and_single_string_list(server: LiveServer) -> None:
-    ids = server.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    ids = server.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     c = client(server)
     by_ids = c.completions.create(model=server.model, prompt=ids, max_tokens=12, temperature=0)
     by_list = c.completions.create(model=server.model, prompt=[PROMPT], max_tokens=12, temperature=0)
@@ -120,10 +120,17 @@ def test_max_completion_tokens(server: LiveServer) -> None:
 
 
 def test_default_max_tokens_fills_context(server: LiveServer) -> None:
-    """Without max_tokens, generation may run to the end of the context (here: until EOS or the limit)."""
-    resp = client(server).completions.create(model=server.model, prompt=PROMPT, temperature=0)
-    assert resp.choices[0].finish_reason in ("stop", "length")
-    assert resp.usage.total_tokens <= server.engine.max_model_len
+    """Without max_tokens, generation may run to the end of the context: max_model_len - prompt tokens."""
+    max_model_len = server.engine.max_model_len
+    token_id = server.engine.tokenizer.encode(" hello", add_special_tokens=False)[0]
+    prompt = [token_id] * (max_model_len - 3)
+    resp = client(server).completions.create(model=server.model, prompt=prompt, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == max_model_len - 3
+    assert resp.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client(server).completions.create(model=server.model, prompt=[token_id] * max_model_len)
 
 
 def test_stop_string_truncates(server: LiveServer) -> None:
@@ -254,7 +261,6 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (comp, {"prompt": ["a", "b"]}, 400, "prompt"),
         (comp, {"prompt": [[1, 2]]}, 400, "prompt"),
         (comp, {"prompt": [10**9]}, 400, "prompt"),
-        (comp, {"prompt": ""}, 400, "prompt"),
         (comp, {"prompt": long_text}, 400, "prompt"),
         (comp, {"prompt": "hi", "max_tokens": max_model_len}, 400, "max_tokens"),
         (comp, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),

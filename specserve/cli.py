@@ -1,0 +1,135 @@
+"""Command line: ``specserve serve | fetch-model | convert``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="model to serve: a .gguf file, a Hugging Face safetensors directory, 'default' "
+                        "(SmolLM2-135M-Instruct Q4_1, fetched by `make setup`), or 'dummy' with --model-shape")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="'dummy' loads random weights of --model-shape instead of a checkpoint")
+    g.add_argument("--model-shape", default="llama-3.1-8b",
+                   help="named shape for --load-format dummy (e.g. smollm2-135m, llama-3.1-8b, llama-3.3-70b)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients send and /v1/models lists (default: the model's own name)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda:0")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="number of KV-cache blocks (default: derived from --kv-cache-memory-gib)")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory for the KV cache, GiB")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="cap on concurrently running sequences")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    g.add_argument("--max-model-len", type=int, default=4096,
+                   help="context limit (prompt + output tokens) per request")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step instead of budget-sized chunks")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = f"dummy:{args.model_shape}" if args.load_format == "dummy" else args.model
+    return EngineConfig(
+        model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory_gib=args.kv_cache_memory_gib),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill,
+                                  max_model_len=args.max_model_len),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: all cores)")
+    _add_engine_args(serve)
+
+    sub.add_parser("fetch-model", help="download the default model (SmolLM2-135M-Instruct GGUF) into the cache")
+
+    conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face safetensors directory")
+    conv.add_argument("gguf", help="input .gguf file ('default' for the default model)")
+    conv.add_argument("out", help="output directory")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="stored dtype")
+    conv.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards of this size")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "fetch-model":
+        from specserve.models.fetch import fetch_default_model
+        print(fetch_default_model())
+        return 0
+    if args.command == "convert":
+        import torch
+
+        from specserve.models.convert import convert_gguf_to_hf
+        src = args.gguf
+        if src == "default":
+            from specserve.models.fetch import default_model_path
+            src = default_model_path()
+        convert_gguf_to_hf(src, args.out, dtype=getattr(torch, args.dtype), max_shard_bytes=args.max_shard_bytes)
+        print(args.out)
+        return 0
+    if args.command == "serve":
+        return _serve(args)
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.engine import LLMEngine
+    from specserve.server.launch import serve
+    from specserve.server.metrics import ServingMetrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = engine_config_from_args(args)
+    engine = LLMEngine.from_config(config)
+    name = args.served_model_name or default_served_name(config.model, engine.model_config.name)
+    metrics = ServingMetrics(name, max_model_len=engine.max_model_len)
+    async_engine = AsyncEngine(engine, metrics, model_name=name)
+    serve(async_engine, args.host, args.port, name, args.log_level)
+    return 0
+
+
+def default_served_name(model: str, config_name: str) -> str:
+    """The name clients send: the default model's published name, else the file or directory name."""
+    from pathlib import Path
+
+    from specserve.models.fetch import DEFAULT_MODEL_NAME
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    if model.startswith("dummy:"):
+        return config_name
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.request import Request, RequestOutput, RequestStatus
+from specserve.engine.request import Request, RequestOutput
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.stats import RequestStats, StepStats
 from specserve.layers.sampler import sample
@@ -153,6 +153,7 @@ class LLMEngine:
         hits = [i for i in (req.output_text.find(s, start) for s in stops) if i >= 0]
         if hits:
             req.output_text = req.output_text[:min(hits)]
+            req.detokenizer = None  # nothing after the stop string is ever shown
             return "stop"
         return None
 
@@ -169,6 +170,8 @@ class LLMEngine:
 
     def _finalize(self, req: Request, emitted: list[int]) -> RequestOutput:
         req.finished_time = time.monotonic()
+        if req.detokenizer is not None and req.finish_reason != "abort":
+            req.output_text += req.detokenizer.flush()  # bytes held back for an incomplete character
         del self.requests[req.request_id]
         if self.metrics is not None:
             self.metrics.record_request(self._request_stats(req))

@@ -34,6 +34,8 @@ DEFAULT_MODEL = ModelSpec(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send as "model" for the default model
+
 
 def cache_dir() -> Path:
     """``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.linear import Linear, pack_weight, packed_linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rope import RotaryEmbedding
 
@@ -26,8 +27,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -57,8 +58,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -98,10 +99,20 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.max_position = max_position
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
+        self._packed_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pre-pack every projection (and the LM head) for fast CPU GEMMs; a no-op where unsupported.
+        Call again after changing weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_head = pack_weight(weight)
 
     def init_rope(self, device: torch.device) -> None:
         c = self.config
@@ -130,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -56,6 +56,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
         net = build_model(config, max_pos, dtype, device)
         _init_dummy(net, seed)
+        net.pack_weights()
         return net, config, None
     if model == "default":
         from specserve.models.fetch import default_model_path
@@ -75,4 +76,5 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
     net = build_model(config, max_pos, dtype, device)
     net.load_hf_state_dict(state)
+    net.pack_weights()
     return net, config, tokenizer

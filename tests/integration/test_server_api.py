@@ -317,9 +317,8 @@ def test_unknown_route_is_json_404(server: LiveServer) -> None:
     assert "error" in resp.json()
 
 
-def test_engine_exception_is_500_and_server_survives(server: LiveServer) -> None:
-    if not hasattr(server.engine, "num_aborted"):
-        pytest.skip("needs the fake engine's failure hook")
+def test_engine_exception_is_500_and_server_survives(fake_server: LiveServer) -> None:
+    server = fake_server
     c = client(server)
     with pytest.raises(openai.InternalServerError) as info:
         c.completions.create(model=server.model, prompt=FAIL_MARKER, max_tokens=4)

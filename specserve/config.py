@@ -90,6 +90,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "cpu"
     seed: int = 0
+    # Run a GGUF's Q4_1 / Q8_0 matrices straight from their blocks on CPU (same weights, fewer bytes).
+    quantized_cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -48,7 +48,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, metrics: MetricsSink | None = None) -> LLMEngine:
         from specserve.models.loader import load_model
         model, model_config, tokenizer = load_model(config.model, config.dtype, torch.device(config.device),
-                                                    config.scheduler.max_model_len, config.seed)
+                                                    config.scheduler.max_model_len, config.seed,
+                                                    config.quantized_cpu_kernels)
         return cls(config, model, model_config, tokenizer, metrics)
 
     # ---- requests ------------------------------------------------------------------------------

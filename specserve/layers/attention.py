@@ -98,6 +98,9 @@ class _PaddedGroup:
     mask: torch.Tensor  # [num_group_seqs, 1, max_query_len, max_seq_len] bool, True = attend
     valid: torch.Tensor  # [num_group_seqs, max_query_len] bool, real (not padded) query rows
     out_index: torch.Tensor  # [num_valid] int64 packed token index of each valid row
+    # True when the group is the whole batch and every sequence has the same query length (decode, or a
+    # verify step with one num_spec_tokens): packed tokens then reshape to [G, Q] with no gather or scatter.
+    uniform: bool = False
 
 
 @dataclass
@@ -134,7 +137,8 @@ class TorchAttentionBackend:
             q_index = torch.where(valid, starts_t[:, None] + q_off[None, :], 0)
             q_pos = (s_lens - q_lens)[:, None] + q_off[None, :]  # [G, Q] absolute position of each query
             mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < s_lens[:, None, None])
-            group = _PaddedGroup(kv_slots, q_index, mask.unsqueeze(1), valid, q_index[valid])
+            uniform = len(short) == len(meta.query_lens) and bool((q_lens == max_q).all())
+            group = _PaddedGroup(kv_slots, q_index, mask.unsqueeze(1), valid, q_index[valid], uniform)
         longs = []
         for i in long_:
             s_len, q_len = meta.seq_lens[i], meta.query_lens[i]
@@ -168,10 +172,16 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         group: _PaddedGroup | None = meta.extra["group"]
         if group is not None:
-            qg = q[group.q_index].transpose(1, 2)  # [G, h, Q, d]
+            num_seqs, max_q = group.q_index.shape
+            if group.uniform:
+                qg = q.view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)  # [G, h, Q, d]
+            else:
+                qg = q[group.q_index].transpose(1, 2)
             kg = k_flat[group.kv_slots].transpose(1, 2)  # [G, kvh, S, d]
             vg = v_flat[group.kv_slots].transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, enable_gqa=True)
+            if group.uniform:
+                return og.transpose(1, 2).reshape(q.shape)
             out.index_copy_(0, group.out_index, og.transpose(1, 2)[group.valid])
         for seq in meta.extra["longs"]:
             sl = slice(seq.token_start, seq.token_start + seq.query_len)

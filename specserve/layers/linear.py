@@ -1,6 +1,10 @@
 """Linear layers. On CPU, fp32 weights are pre-packed once into oneDNN's blocked layout: for the small
 row counts of decoding (1 to a few dozen tokens) oneDNN's packed GEMM is 2-5x faster than the default
-BLAS path on AVX2 machines, and packing costs nothing per step."""
+BLAS path on AVX2 machines, and packing costs nothing per step.
+
+A layer may also hold its checkpoint's GGUF blocks (``quant``, see ``layers/quant_cpu.py``): the same
+weights in 4 or 8 bits. Decoding steps, which are bound by memory bandwidth on CPU, read those instead;
+long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM."""
 
 from __future__ import annotations
 
@@ -29,10 +33,16 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+# Row counts up to this use the block-quantized kernel when a layer has one; more rows use fp32.
+QUANT_MAX_ROWS = 16
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that can switch to a packed CPU weight after loading (``pack()``)."""
+    """``nn.Linear`` that can switch to a packed CPU weight after loading (``pack()``) and to the
+    checkpoint's own quantized blocks for small row counts (``quant``)."""
 
     packed: torch.Tensor | None = None
+    quant: object | None = None  # QuantizedWeight holding exactly ``weight``, in block form
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -41,6 +51,9 @@ class Linear(nn.Linear):
         self,
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
+        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+            from specserve.layers.quant_cpu import quant_linear
+            return quant_linear(x, self.quant, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

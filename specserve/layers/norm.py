@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class RMSNorm(torch.nn.Module):
@@ -16,6 +17,8 @@ class RMSNorm(torch.nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)

@@ -52,15 +52,23 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 
-    def forward(
+    def cos_sin(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
+        """Look the step's positions up once; every layer reuses the result."""
+        return (self.cos_cached[positions].unsqueeze(1).to(dtype),
+                self.sin_cached[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin
+    return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
 def _apply(

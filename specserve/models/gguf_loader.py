@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -327,19 +328,50 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a GGUF file (memory-mapped) into ``(config, state_dict with HF names, tokenizer)``."""
+    config, state_dict, tokenizer, _ = read_gguf(path, dtype)
+    return config, state_dict, tokenizer
+
+
+@dataclass
+class QuantizedTensor:
+    """A GGUF tensor kept in its block format: ``raw`` is ``[out_features, row_bytes]`` uint8, rows already in
+    Hugging Face order (``row_order[i]`` = the GGUF row now at row i, after the q/k un-permutation)."""
+
+    qtype: str  # "q4_1" | "q8_0"
+    raw: np.ndarray
+    out_features: int
+    in_features: int
+    row_order: torch.Tensor | None  # [out_features] int64, None = unchanged
+
+
+KEEP_QUANTIZED = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+
+
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantizedTensor]]:
+    """Like ``load_gguf``, and also returns the Q4_1 / Q8_0 matrices in block form for the quantized CPU
+    kernels (keyed by HF name; the dequantized copy stays in the state dict as the reference)."""
     reader = gguf.GGUFReader(str(path))
     tokenizer = Tokenizer.from_gguf(reader)
     config = config_from_gguf(reader, tokenizer, default_name=Path(path).stem)
     state_dict: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedTensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         shape = [int(d) for d in reversed(t.shape.tolist())]
         w = dequantize(t.data, t.tensor_type, shape)
+        heads = None
         if config.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rope_rows(w, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif config.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rope_rows(w, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        if heads is not None:
+            w = unpermute_rope_rows(w, heads)
         state_dict[name] = w.to(dtype)
-    return config, state_dict, tokenizer
+        if t.tensor_type in KEEP_QUANTIZED and len(shape) == 2:
+            order = unpermute_rope_rows(torch.arange(shape[0]), heads) if heads is not None else None
+            quantized[name] = QuantizedTensor(KEEP_QUANTIZED[t.tensor_type], np.asarray(t.data).reshape(shape[0], -1),
+                                              shape[0], shape[1], order)
+    return config, state_dict, tokenizer, quantized

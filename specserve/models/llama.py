@@ -14,9 +14,9 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import Linear, pack_weight, packed_linear
+from specserve.layers.linear import QUANT_MAX_ROWS, Linear, pack_weight, packed_linear
 from specserve.layers.norm import RMSNorm
-from specserve.layers.rope import RotaryEmbedding
+from specserve.layers.rope import RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -35,8 +35,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
-        positions: torch.Tensor,  # [num_tokens]
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
@@ -49,7 +48,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, cos_sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -80,13 +79,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
-        positions: torch.Tensor,  # [num_tokens]
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -104,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = max_position
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
         self._packed_head: torch.Tensor | None = None
+        self._quant_head = None  # QuantizedWeight of the LM head, when the checkpoint has one
 
     def pack_weights(self) -> None:
         """Pre-pack every projection (and the LM head) for fast CPU GEMMs; a no-op where unsupported.
@@ -118,6 +117,40 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
 
+    def attach_quantized(self, tensors: dict) -> int:
+        """Give projections their checkpoint's GGUF blocks (``{hf_name: QuantizedTensor}``) so small batches
+        run the block-quantized CPU kernel. Returns how many layers got them (0 if the kernel is unavailable).
+        Fused projections get blocks only when all their parts are quantized in one format."""
+        from specserve.layers.quant_cpu import QuantizedWeight, load_extension
+        if load_extension() is None:
+            return 0
+
+        def block_weight(name: str):
+            t = tensors.get(name)
+            if t is None:
+                return None
+            w = QuantizedWeight.from_gguf_bytes(t.raw, t.qtype, t.out_features, t.in_features)
+            return w if t.row_order is None else w.rows(t.row_order)
+
+        def fused(names: list[str]):
+            parts = [block_weight(n) for n in names]
+            if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+                return None
+            return QuantizedWeight.cat(parts)
+
+        count = 0
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for module, names in ((layer.self_attn.qkv_proj, [a + "q_proj.weight", a + "k_proj.weight",
+                                                               a + "v_proj.weight"]),
+                                  (layer.self_attn.o_proj, [a + "o_proj.weight"]),
+                                  (layer.mlp.gate_up_proj, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                                  (layer.mlp.down_proj, [m + "down_proj.weight"])):
+                module.quant = fused(names)
+                count += module.quant is not None
+        self._quant_head = block_weight("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        return count + (self._quant_head is not None)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -130,17 +163,21 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final normed hidden states ``[num_tokens, hidden_size]`` and the inputs of the
         layers named in ``aux_layer_ids`` (EAGLE-3 fuses low/mid/high target features)."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 aux.append(x)
-            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+            x = layer(x, cos_sin, kv_caches[i], meta, backend)
         return self.norm(x), aux
 
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
+        if self._quant_head is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+            from specserve.layers.quant_cpu import quant_linear
+            return quant_linear(hidden, self._quant_head).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

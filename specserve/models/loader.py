@@ -44,11 +44,12 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
-               seed: int = 0):
+               seed: int = 0, quantized_cpu_kernels: bool = True):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
-    "dummy:<shape>" (random weights; no tokenizer).
+    "dummy:<shape>" (random weights; no tokenizer). With ``quantized_cpu_kernels``, a GGUF's Q4_1 / Q8_0
+    matrices also stay in block form for the CPU kernel (fp32 on CPU only).
     """
     dtype = resolve_dtype(dtype_name, device)
     if model.startswith("dummy:"):
@@ -65,9 +66,10 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model: {path} does not exist")
+    quantized: dict = {}
     if path.is_file() and path.suffix == ".gguf":
-        from specserve.models.gguf_loader import load_gguf
-        config, state, tokenizer = load_gguf(path, torch.float32)
+        from specserve.models.gguf_loader import read_gguf
+        config, state, tokenizer, quantized = read_gguf(path, torch.float32)
     elif path.is_dir():
         from specserve.models.safetensors_loader import load_hf_dir
         config, state, tokenizer = load_hf_dir(path, torch.float32)
@@ -77,4 +79,6 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     net = build_model(config, max_pos, dtype, device)
     net.load_hf_state_dict(state)
     net.pack_weights()
+    if quantized and quantized_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+        net.attach_quantized(quantized)
     return net, config, tokenizer

@@ -33,8 +33,16 @@ def hf_reference(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def engine_parts(smollm2_gguf_path):
+    """The production CPU path: GGUF Q4_1 / Q8_0 blocks through the quantized kernel for small batches."""
     from specserve.models.loader import load_model
     return load_model(str(smollm2_gguf_path), "float32", torch.device("cpu"), 1024)
+
+
+@pytest.fixture(scope="module")
+def fp32_engine_parts(smollm2_gguf_path):
+    """Dequantized fp32 weights only (oneDNN-packed GEMMs)."""
+    from specserve.models.loader import load_model
+    return load_model(str(smollm2_gguf_path), "float32", torch.device("cpu"), 1024, quantized_cpu_kernels=False)
 
 
 def make_engine(parts, **sched) -> LLMEngine:
@@ -73,6 +81,20 @@ def test_batched_with_other_lengths_equals_transformers(engine_parts, expected) 
     engine = make_engine(engine_parts)
     reqs = engine.generate(prompt_ids, GREEDY)
     assert [r.output_ids for r in reqs] == want
+
+
+def test_fp32_weights_equal_transformers(fp32_engine_parts, expected) -> None:
+    prompt_ids, want = expected
+    engine = make_engine(fp32_engine_parts)
+    assert [r.output_ids for r in engine.generate(prompt_ids, GREEDY)] == want
+
+
+def test_quantized_kernel_is_in_use(engine_parts) -> None:
+    from specserve.layers.quant_cpu import load_extension
+    model = engine_parts[0]
+    assert load_extension() is not None, "the CPU kernel failed to build"
+    assert all(layer.mlp.gate_up_proj.quant is not None for layer in model.layers)
+    assert model._quant_head is not None
 
 
 def test_chunked_prefill_and_preemption_equal_transformers(engine_parts, expected) -> None:

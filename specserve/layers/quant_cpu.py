@@ -1,0 +1,208 @@
+"""Linear layers straight from GGUF block-quantized weights on CPU (Q4_1 and Q8_0).
+
+Decoding on CPU is memory-bandwidth bound: every step streams every weight once, so a 4-bit weight
+(Q4_1: 0.75 byte per weight as stored here) is read ~5x faster than an fp32 one. ``QuantizedWeight`` keeps
+the GGUF blocks split into integer codes and float32 scales; ``quant_linear`` runs the C++ kernel in
+``specserve/kernels/cpu_quant_gemm.cpp`` (AVX2+FMA where the CPU has it, scalar otherwise), built on first use
+with ``torch.utils.cpp_extension`` into the specserve cache. ``load_extension()`` returns None when the build
+fails; callers then keep fp32 weights (``QuantizedWeight.dequantize()``).
+
+Block formats (ggml's, 32 consecutive weights along in_features of one output row):
+    Q4_1: 20 bytes = d f16, m f16, qs[16] u8;  w[j] = d * (qs[j] & 0xF) + m,  w[j + 16] = d * (qs[j] >> 4) + m
+    Q8_0: 34 bytes = d f16, qs[32] i8;         w[j] = d * qs[j]
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+QType = Literal["q4_1", "q8_0"]
+BLOCK_SIZE = 32  # weights per block
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+CODE_BYTES = {"q4_1": 16, "q8_0": 32}  # integer codes per block, in bytes
+EXTENSION_NAME = "specserve_cpu_quant_gemm"
+SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_quant_gemm.cpp"
+
+
+def cpu_has_avx2_fma() -> bool:
+    """Whether this machine's CPU runs AVX2 and FMA (read from /proc/cpuinfo, else torch's dispatch level)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def extension_build_dir() -> Path:
+    """``$SPECSERVE_CACHE_DIR/torch_extensions/<name>``, else under ``~/.cache/specserve``."""
+    from specserve.models.fetch import cache_dir
+
+    return cache_dir() / "torch_extensions" / extension_name()
+
+
+def extension_name() -> str:
+    return EXTENSION_NAME + ("_avx2" if cpu_has_avx2_fma() else "_scalar")
+
+
+def build_extension() -> ModuleType:
+    """Compile (or load the cached build of) the kernel; raises on failure."""
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline and uses torch's OpenMP pool
+    if cpu_has_avx2_fma():
+        flags += ["-mavx2", "-mfma"]
+    build_dir = extension_build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir), verbose=False)
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> ModuleType | None:
+    """The compiled kernel module (built once per process), or None (logged) when it cannot be built."""
+    if os.environ.get("SPECSERVE_DISABLE_QUANT_KERNEL"):
+        logger.info("quantized CPU kernel disabled by $SPECSERVE_DISABLE_QUANT_KERNEL")
+        return None
+    try:
+        return build_extension()
+    except Exception as exc:  # compiler missing, ninja missing, unsupported platform, ...
+        logger.warning("quantized CPU kernel unavailable, falling back to fp32 weights: %s", exc)
+        return None
+
+
+@dataclass
+class QuantizedWeight:
+    """A ``[out_features, in_features]`` weight kept as GGUF blocks.
+
+    qs: ``[out_features, in_features / 32, 16]`` uint8 (q4_1) or ``[..., 32]`` int8 (q8_0), the integer codes.
+    d, m: ``[out_features, in_features / 32]`` float32 scale and minimum (m is None for q8_0).
+    """
+
+    qtype: QType
+    out_features: int
+    in_features: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported qtype {self.qtype!r}; expected one of {sorted(BLOCK_BYTES)}")
+        if self.in_features % BLOCK_SIZE:
+            raise ValueError(f"in_features={self.in_features} is not a multiple of {BLOCK_SIZE}")
+        groups = self.in_features // BLOCK_SIZE
+        code_dtype = torch.uint8 if self.qtype == "q4_1" else torch.int8
+        if self.qs.shape != (self.out_features, groups, CODE_BYTES[self.qtype]) or self.qs.dtype != code_dtype:
+            raise ValueError(f"{self.qtype} qs must be {code_dtype} [{self.out_features}, {groups}, "
+                             f"{CODE_BYTES[self.qtype]}], got {self.qs.dtype} {list(self.qs.shape)}")
+        for name, t in (("d", self.d), ("m", self.m)):
+            if t is None and not (name == "m" and self.qtype == "q8_0"):
+                raise ValueError(f"{self.qtype} needs {name}")
+            if t is not None and (t.shape != (self.out_features, groups) or t.dtype != torch.float32):
+                raise ValueError(f"{name} must be float32 [{self.out_features}, {groups}], "
+                                 f"got {t.dtype} {list(t.shape)}")
+        if self.qtype == "q8_0" and self.m is not None:
+            raise ValueError("q8_0 has no m")
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The kernel's arguments after x: (qs, d, m) for q4_1, (qs, d) for q8_0."""
+        return (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @classmethod
+    def from_gguf_bytes(
+        cls,
+        raw: np.ndarray,  # [out_features, row_bytes] uint8, as gguf.GGUFReader's tensor.data
+        qtype: QType,
+        out_features: int,
+        in_features: int,
+    ) -> QuantizedWeight:
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported qtype {qtype!r}; expected one of {sorted(BLOCK_BYTES)}")
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"in_features={in_features} is not a multiple of {BLOCK_SIZE}")
+        groups = in_features // BLOCK_SIZE
+        row_bytes = groups * BLOCK_BYTES[qtype]
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        if raw.size != out_features * row_bytes:
+            raise ValueError(f"{qtype} [{out_features}, {in_features}] needs {out_features * row_bytes} bytes, "
+                             f"got {raw.size}")
+        blocks = torch.from_numpy(raw.reshape(out_features, groups, BLOCK_BYTES[qtype]).copy())
+        # [N, G, block_bytes] -> f16 scales (bytes 0-1, and 2-3 for q4_1 m) and the codes after them
+        d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+        if qtype == "q4_1":
+            m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+            qs = blocks[..., 4:].contiguous()
+            return cls(qtype, out_features, in_features, qs, d, m)
+        qs = blocks[..., 2:].contiguous().view(torch.int8)
+        return cls(qtype, out_features, in_features, qs, d, None)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Output rows ``index`` (any order, repeats allowed): the weight ``dequantize()[index]``."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return QuantizedWeight(self.qtype, int(index.numel()), self.in_features, self.qs[index].contiguous(),
+                               self.d[index].contiguous(), None if self.m is None else self.m[index].contiguous())
+
+    @classmethod
+    def cat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """Stack along out_features (fused q|k|v, gate|up): the weight ``cat([w.dequantize() for w in weights])``."""
+        if not weights:
+            raise ValueError("cat of no weights")
+        first = weights[0]
+        for w in weights[1:]:
+            if w.qtype != first.qtype or w.in_features != first.in_features:
+                raise ValueError(f"cannot cat {w.qtype} [*, {w.in_features}] onto {first.qtype} "
+                                 f"[*, {first.in_features}]")
+        m = None if first.m is None else torch.cat([w.m for w in weights])
+        return cls(first.qtype, sum(w.out_features for w in weights), first.in_features,
+                   torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m)
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
+        """Reference dequantization in plain torch; bit-identical to ``gguf.quants.dequantize``."""
+        if self.qtype == "q4_1":
+            codes = torch.cat([self.qs & 0xF, self.qs >> 4], dim=-1).float()  # [N, G, 32]: low nibbles, then high
+            w = codes * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)  # two roundings, as gguf (no FMA on this path)
+        else:
+            w = self.qs.float() * self.d.unsqueeze(-1)
+        return w.reshape(self.out_features, self.in_features)
+
+
+def quant_linear(
+    x: torch.Tensor,  # [num_rows, in_features] (any leading dims)
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features]
+    """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the quantized CPU kernel is unavailable (see the log); keep fp32 weights instead")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
+    gemm = ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm
+    y = gemm(x2, *weight.tensors)
+    if bias is not None:
+        y.add_(bias)
+    return y.reshape(*lead, weight.out_features).to(x.dtype)

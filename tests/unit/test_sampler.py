@@ -45,10 +45,10 @@ def test_draws_follow_the_filtered_distribution() -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=4)
     probs = target_probs(logits, [params])[0]
     gen = torch.Generator().manual_seed(0)
-    n = 20_000
+    n = 8_000
     counts = np.bincount([sample(logits, [params], [gen], gen)[0] for _ in range(n)], minlength=6)
     tv = 0.5 * np.abs(counts / n - probs.numpy()).sum()
-    assert tv < 0.02, tv
+    assert tv < 0.03, tv
     assert counts[4] == counts[5] == 0  # outside top-k 4
 
 

@@ -17,6 +17,14 @@ from specserve.layers.attention import AttentionBackend, TorchAttentionBackend, 
 from specserve.models.llama import LlamaForCausalLM
 
 
+def default_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """Our C++ paged-attention kernel for fp32 on CPU when it builds; the torch reference otherwise."""
+    if device.type == "cpu":
+        from specserve.layers.cpu_attention import make_cpu_backend
+        return make_cpu_backend(dtype)
+    return TorchAttentionBackend()
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
@@ -30,7 +38,7 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_config.block_size
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or default_backend(device, self.dtype)
         if cache_config.num_blocks is not None:
             self.num_blocks = cache_config.num_blocks
         else:

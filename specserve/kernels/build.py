@@ -1,6 +1,9 @@
-"""Build the CPU quantized-GEMM extension ahead of time (the Makefile's setup step runs this).
+"""Build the CPU kernels ahead of time (the Makefile's setup step runs this), so that the first request
+or test does not wait for the compiler.
 
     python -m specserve.kernels.build
+
+A kernel that fails to build is reported and skipped: the engine then uses the plain-torch path for it.
 """
 
 from __future__ import annotations
@@ -10,19 +13,20 @@ import time
 
 
 def main() -> int:
-    from specserve.layers.quant_cpu import build_extension, cpu_has_avx2_fma, extension_build_dir
+    from specserve.layers.cpu_attention import build_attention_extension
+    from specserve.layers.cpu_ops import build_ops_extension
+    from specserve.layers.quant_cpu import build_extension, cpu_has_avx2_fma
 
-    start = time.perf_counter()
-    try:
-        ext = build_extension()
-    except Exception as exc:
-        # Not fatal: the engine falls back to fp32 weights and serves as before, only slower.
-        print(f"specserve: building the CPU quantized-GEMM kernel failed ({exc}); fp32 weights will be used",
-              file=sys.stderr)
-        return 0
-    print(f"specserve: CPU quantized-GEMM kernel built in {extension_build_dir()} "
-          f"({time.perf_counter() - start:.1f}s; AVX2+FMA: {ext.built_with_avx2()}, CPU has AVX2+FMA: "
-          f"{cpu_has_avx2_fma()})")
+    print(f"specserve: building CPU kernels (AVX2+FMA: {cpu_has_avx2_fma()})", flush=True)
+    for name, build in (("block-quantized GEMM", build_extension), ("paged attention", build_attention_extension),
+                        ("fused elementwise ops", build_ops_extension)):
+        start = time.perf_counter()
+        try:
+            build()
+        except Exception as exc:  # not fatal: the engine falls back to torch for this kernel
+            print(f"specserve: {name} kernel failed to build ({exc}); the torch path will be used", file=sys.stderr)
+            continue
+        print(f"specserve: {name} kernel ready ({time.perf_counter() - start:.1f}s)", flush=True)
     return 0
 
 

@@ -9,6 +9,8 @@
 //   y[r,n] = sum_g d[n,g] * (x[r, g] . q[n, g]) + m[n,g] * xsum[r,g]
 // so a group's integer codes are converted to float once and FMA'd against up to kRowTile rows of x; each row keeps
 // one 8-lane accumulator, scaled by d with one vector FMA per group, and is reduced horizontally once per output.
+// For Q4_1 with K <= 768 (SmolLM2's q|k|v, o, gate|up) rows go 8 at a time and the group's weights are scaled by d
+// before the FMAs instead (tile_scaled_avx2): four FMAs per (group, row) instead of five; 5-15% faster at M = 5..16.
 //
 // Decoding is memory-bandwidth bound: a Q4_1 group is 16 + 8 bytes for 32 weights (0.75 B/weight) against 4 B/weight
 // for fp32, so the kernel only has to unpack faster than memory delivers; work is split over N with at::parallel_for
@@ -28,6 +30,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;     // weights per GGUF block
 constexpr int64_t kRowTile = 4;    // rows of x sharing one unpacked group
+constexpr int64_t kWideRowTile = 8;  // ... for Q4_1 with K <= kWideTileMaxK: 8 rows of x (24 KiB) stay in L1
+constexpr int64_t kWideTileMaxK = 768;
 constexpr int64_t kMinWorkPerTask = 4096;  // (group, row) products per parallel task, below which threads cost more
 constexpr int64_t kCodeBlockBytes = 8192;  // weight bytes of the output rows computed together (L1-resident)
 
@@ -127,13 +131,53 @@ inline void tile_avx2(const float* x, const float* xsum, int64_t num_groups, con
     for (int r = 0; r < R; ++r) y[r * y_stride] = hsum(acc[r]);
   }
 }
+// y[r, n] for rows r0 .. r0+R-1 of x and one output row n (R = 5..8, Q4_1 with K small enough that the 8 rows of x
+// stay in L1): the group's weights are unpacked and scaled by d once (w * d: four multiplies shared by the R rows) and
+// FMA'd straight into the rows' accumulators, so a (group, row) pair costs four FMAs instead of five (tile_avx2's
+// separate dot product t and its d * t). R independent accumulators keep the FMA chains overlapped.
+template <typename Fmt, int R>
+inline void tile_scaled_avx2(const float* x, const float* xsum, int64_t num_groups, const typename Fmt::Code* q,
+                             const float* d, const float* m, float* y, int64_t y_stride) {
+  const int64_t K = num_groups * kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m256 w[4];
+    Fmt::to_float_avx2(q + g * Fmt::kCodeBytes, w);
+    const __m256 dg = _mm256_broadcast_ss(d + g);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], dg);
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * kBlock;
+      __m256 a = acc[r];
+      a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), a);
+      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), a);
+      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a);
+      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a);
+      acc[r] = a;
+    }
+  }
+  if constexpr (Fmt::kHasMin) {  // + sum_g m[g] * xsum[r, g], eight groups per FMA
+    int64_t g = 0;
+    for (; g + 8 <= num_groups; g += 8) {
+      const __m256 mg = _mm256_loadu_ps(m + g);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(xsum + r * num_groups + g), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float tail = 0.f;
+      for (int64_t gt = g; gt < num_groups; ++gt) tail += m[gt] * xsum[r * num_groups + gt];
+      y[r * y_stride] = hsum(acc[r]) + tail;
+    }
+  } else {
+    for (int r = 0; r < R; ++r) y[r * y_stride] = hsum(acc[r]);
+  }
+}
 #endif  // __AVX2__
 
 template <typename Fmt>
 void tile_scalar(const float* x, const float* xsum, int64_t num_rows, int64_t num_groups, const typename Fmt::Code* q,
                  const float* d, const float* m, float* y, int64_t y_stride) {
   const int64_t K = num_groups * kBlock;
-  float acc[kRowTile] = {};
+  float acc[kWideRowTile] = {};
   float w[kBlock];
   for (int64_t g = 0; g < num_groups; ++g) {
     Fmt::to_float_scalar(q + g * Fmt::kCodeBytes, w);
@@ -153,6 +197,10 @@ void tile(const float* x, const float* xsum, int64_t num_rows, int64_t num_group
           const float* d, const float* m, float* y, int64_t y_stride) {
 #ifdef __AVX2__
   switch (num_rows) {
+    case 8: return tile_scaled_avx2<Fmt, 8>(x, xsum, num_groups, q, d, m, y, y_stride);
+    case 7: return tile_scaled_avx2<Fmt, 7>(x, xsum, num_groups, q, d, m, y, y_stride);
+    case 6: return tile_scaled_avx2<Fmt, 6>(x, xsum, num_groups, q, d, m, y, y_stride);
+    case 5: return tile_scaled_avx2<Fmt, 5>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 4: return tile_avx2<Fmt, 4>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 3: return tile_avx2<Fmt, 3>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 2: return tile_avx2<Fmt, 2>(x, xsum, num_groups, q, d, m, y, y_stride);
@@ -199,12 +247,15 @@ torch::Tensor quant_gemm(const torch::Tensor& x_in,  // [M, K] float32
   // stay in L1 while every (row, output) pair of the block is computed; x beyond a few rows lives in L2 and
   // re-reading all of it for every output row made batch 32 L2-bandwidth bound.
   const int64_t block_n = std::max<int64_t>(1, kCodeBlockBytes / (G * (Fmt::kCodeBytes + 8)));
+  // Q4_1 rows of x go 8 at a time when they fit in L1 (measured faster there); Q8_0 (unpacking is cheaper, the LM
+  // head's codes are twice the bytes) and long K stay at 4.
+  const int64_t row_tile = Fmt::kHasMin && K <= kWideTileMaxK ? kWideRowTile : kRowTile;
   at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t nb = n_begin; nb < n_end; nb += block_n) {
       const int64_t nb_end = std::min(n_end, nb + block_n);
-      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      for (int64_t r0 = 0; r0 < M; r0 += row_tile) {
         for (int64_t n = nb; n < nb_end; ++n) {
-          tile<Fmt>(xp + r0 * K, xsum + (Fmt::kHasMin ? r0 * G : 0), std::min(kRowTile, M - r0), G,
+          tile<Fmt>(xp + r0 * K, xsum + (Fmt::kHasMin ? r0 * G : 0), std::min(row_tile, M - r0), G,
                     qp + n * G * Fmt::kCodeBytes, dp + n * G, mp != nullptr ? mp + n * G : nullptr, yp + r0 * N + n,
                     N);
         }

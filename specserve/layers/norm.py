@@ -1,9 +1,11 @@
-"""RMSNorm (Zhang & Sennrich, arXiv 1910.07467), computed in float32 as the reference models do."""
+"""RMSNorm (Zhang & Sennrich, arXiv 1910.07467): the weight holder; the computation lives in
+``layers/ops.py`` so that it can fuse with the residual add."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from specserve.layers.ops import TorchOps
 
 
 class RMSNorm(torch.nn.Module):
@@ -16,9 +18,4 @@ class RMSNorm(torch.nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return TorchOps.rms_norm(x, self.weight, self.eps)

@@ -60,23 +60,3 @@ class RotaryEmbedding(torch.nn.Module):
         """Look the step's positions up once; every layer reuses the result."""
         return (self.cos_cached[positions].unsqueeze(1).to(dtype),
                 self.sin_cached[positions].unsqueeze(1).to(dtype))
-
-
-def apply_rope(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin
-    return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin

@@ -16,7 +16,8 @@ from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import QUANT_MAX_ROWS, Linear, pack_weight, packed_linear
 from specserve.layers.norm import RMSNorm
-from specserve.layers.rope import RotaryEmbedding, apply_rope
+from specserve.layers.ops import TorchOps
+from specserve.layers.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.ops = TorchOps()
 
     def forward(
         self,
@@ -40,15 +42,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = apply_rope(q, k, cos_sin)
+        n, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]: q | k | v
+        qk_size = self.q_size + self.kv_size
+        if self.q_norm is None:
+            qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, d)  # rotated in place, inside qkv
+        else:
+            q = self.ops.rms_norm(qkv[:, :self.q_size].reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
+            k = self.ops.rms_norm(qkv[:, self.q_size:qk_size].reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
+            qk = torch.cat([q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)], dim=1)
+        self.ops.rope_(qk, *cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, d)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -59,13 +64,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = TorchOps()
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -75,17 +80,29 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.ops = TorchOps()
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden_size]
+        x: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]: the residual stream before x is added
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual), each [num_tokens, hidden_size]
+        """Pre-norm block with the residual carried separately, so each add fuses into the next norm:
+        ``residual += x; h = norm(residual); residual += attn(h); out = mlp(norm(residual))``. The
+        additions happen in the same order as ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual = x
+            h = self.ops.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            h = self.ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, backend)
+        h = self.ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,6 +120,13 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
         self._packed_head: torch.Tensor | None = None
         self._quant_head = None  # QuantizedWeight of the LM head, when the checkpoint has one
+        self.ops = TorchOps()
+
+    def set_ops(self, ops: TorchOps) -> None:
+        """Use ``ops`` (e.g. the fused CPU kernels) for every norm, activation and rotary embedding."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def pack_weights(self) -> None:
         """Pre-pack every projection (and the LM head) for fast CPU GEMMs; a no-op where unsupported.
@@ -165,11 +189,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         aux: list[torch.Tensor] = []
+        residual = None
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
-                aux.append(x)
-            x = layer(x, cos_sin, kv_caches[i], meta, backend)
-        return self.norm(x), aux
+                aux.append(x if residual is None else residual + x)  # the layer's input hidden state
+            x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend)
+        return self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps), aux
 
     def compute_logits(
         self,

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
+from specserve.layers.ops import select_ops
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.shapes import shape_config
 
@@ -27,6 +28,7 @@ def build_model(config: ModelConfig, max_position: int, dtype: torch.dtype, devi
         model = LlamaForCausalLM(config, max_position)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(device)
+    model.set_ops(select_ops(device, dtype))
     return model.eval()
 
 

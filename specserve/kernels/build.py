@@ -13,9 +13,10 @@ import time
 
 
 def main() -> int:
+    from specserve.kernels.loader import cpu_has_avx2_fma
     from specserve.layers.cpu_attention import build_attention_extension
     from specserve.layers.cpu_ops import build_ops_extension
-    from specserve.layers.quant_cpu import build_extension, cpu_has_avx2_fma
+    from specserve.layers.quant_cpu import build_extension
 
     print(f"specserve: building CPU kernels (AVX2+FMA: {cpu_has_avx2_fma()})", flush=True)
     for name, build in (("block-quantized GEMM", build_extension), ("paged attention", build_attention_extension),

@@ -13,58 +13,16 @@ cannot be built, and ``make_cpu_backend()`` then falls back to ``TorchAttentionB
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from specserve.kernels.loader import CpuKernel
 from specserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from specserve.layers.quant_cpu import cpu_has_avx2_fma
 
-logger = logging.getLogger(__name__)
-
-EXTENSION_NAME = "specserve_cpu_paged_attention"
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_attention.cpp"
-
-
-def attention_extension_name() -> str:
-    return EXTENSION_NAME + ("_avx2" if cpu_has_avx2_fma() else "_scalar")
-
-
-def attention_extension_build_dir() -> Path:
-    """``$SPECSERVE_CACHE_DIR/torch_extensions/<name>``, else under ``~/.cache/specserve``."""
-    from specserve.models.fetch import cache_dir
-
-    return cache_dir() / "torch_extensions" / attention_extension_name()
-
-
-def build_attention_extension() -> ModuleType:
-    """Compile (or load the cached build of) the kernel; raises on failure."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline and uses torch's OpenMP pool
-    if cpu_has_avx2_fma():
-        flags += ["-mavx2", "-mfma"]
-    build_dir = attention_extension_build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=attention_extension_name(), sources=[str(SOURCE)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-
-
-@functools.lru_cache(maxsize=1)
-def load_attention_extension() -> ModuleType | None:
-    """The compiled kernel module (built once per process), or None (logged) when it cannot be built."""
-    if os.environ.get("SPECSERVE_DISABLE_ATTENTION_KERNEL"):
-        logger.info("CPU paged-attention kernel disabled by $SPECSERVE_DISABLE_ATTENTION_KERNEL")
-        return None
-    try:
-        return build_attention_extension()
-    except Exception as exc:  # compiler missing, ninja missing, unsupported platform, ...
-        logger.warning("CPU paged-attention kernel unavailable, falling back to the torch backend: %s", exc)
-        return None
+KERNEL = CpuKernel("specserve_cpu_paged_attention", "cpu_paged_attention.cpp", "SPECSERVE_DISABLE_ATTENTION_KERNEL")
+build_attention_extension = KERNEL.build
+load_attention_extension = KERNEL.load
 
 
 class CpuPagedAttentionBackend:

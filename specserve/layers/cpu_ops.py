@@ -13,58 +13,17 @@ rotate-half layout: RoFormer, arXiv 2104.09864), to ~1e-7 relative (only the sum
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from specserve.layers.quant_cpu import cpu_has_avx2_fma
+from specserve.kernels.loader import CpuKernel
 
-logger = logging.getLogger(__name__)
-
-EXTENSION_NAME = "specserve_cpu_ops"
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_ops.cpp"
-
-
-def ops_extension_name() -> str:
-    return EXTENSION_NAME + ("_avx2" if cpu_has_avx2_fma() else "_scalar")
-
-
-def ops_extension_build_dir() -> Path:
-    """``$SPECSERVE_CACHE_DIR/torch_extensions/<name>``, else under ``~/.cache/specserve``."""
-    from specserve.models.fetch import cache_dir
-
-    return cache_dir() / "torch_extensions" / ops_extension_name()
-
-
-def build_ops_extension() -> ModuleType:
-    """Compile (or load the cached build of) the kernels; raises on failure."""
-    from torch.utils.cpp_extension import load
-
-    # -ffp-contract=off: no silent a*b+c -> fma, so mul/add chains round as torch's separate ops do
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-    if cpu_has_avx2_fma():
-        flags += ["-mavx2", "-mfma"]
-    build_dir = ops_extension_build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=ops_extension_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir), verbose=False)
-
-
-@functools.lru_cache(maxsize=1)
-def load_ops_extension() -> ModuleType | None:
-    """The compiled module (built once per process), or None (logged) when it cannot be built."""
-    if os.environ.get("SPECSERVE_DISABLE_CPU_OPS"):
-        logger.info("fused CPU ops disabled by $SPECSERVE_DISABLE_CPU_OPS")
-        return None
-    try:
-        return build_ops_extension()
-    except Exception as exc:  # compiler missing, ninja missing, unsupported platform, ...
-        logger.warning("fused CPU ops unavailable, keeping the torch ops: %s", exc)
-        return None
+KERNEL = CpuKernel("specserve_cpu_ops", "cpu_ops.cpp", "SPECSERVE_DISABLE_CPU_OPS",
+                   # no silent a*b+c -> fma, so mul/add chains round as torch's separate ops do
+                   extra_cflags=("-ffp-contract=off",))
+build_ops_extension = KERNEL.build
+load_ops_extension = KERNEL.load
 
 
 def _ext() -> ModuleType:

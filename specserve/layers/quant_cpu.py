@@ -14,75 +14,21 @@ Block formats (ggml's, 32 consecutive weights along in_features of one output ro
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Literal
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from specserve.kernels.loader import CpuKernel
 
 QType = Literal["q4_1", "q8_0"]
 BLOCK_SIZE = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 CODE_BYTES = {"q4_1": 16, "q8_0": 32}  # integer codes per block, in bytes
-EXTENSION_NAME = "specserve_cpu_quant_gemm"
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_quant_gemm.cpp"
-
-
-def cpu_has_avx2_fma() -> bool:
-    """Whether this machine's CPU runs AVX2 and FMA (read from /proc/cpuinfo, else torch's dispatch level)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def extension_build_dir() -> Path:
-    """``$SPECSERVE_CACHE_DIR/torch_extensions/<name>``, else under ``~/.cache/specserve``."""
-    from specserve.models.fetch import cache_dir
-
-    return cache_dir() / "torch_extensions" / extension_name()
-
-
-def extension_name() -> str:
-    return EXTENSION_NAME + ("_avx2" if cpu_has_avx2_fma() else "_scalar")
-
-
-def build_extension() -> ModuleType:
-    """Compile (or load the cached build of) the kernel; raises on failure."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline and uses torch's OpenMP pool
-    if cpu_has_avx2_fma():
-        flags += ["-mavx2", "-mfma"]
-    build_dir = extension_build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir), verbose=False)
-
-
-@functools.lru_cache(maxsize=1)
-def load_extension() -> ModuleType | None:
-    """The compiled kernel module (built once per process), or None (logged) when it cannot be built."""
-    if os.environ.get("SPECSERVE_DISABLE_QUANT_KERNEL"):
-        logger.info("quantized CPU kernel disabled by $SPECSERVE_DISABLE_QUANT_KERNEL")
-        return None
-    try:
-        return build_extension()
-    except Exception as exc:  # compiler missing, ninja missing, unsupported platform, ...
-        logger.warning("quantized CPU kernel unavailable, falling back to fp32 weights: %s", exc)
-        return None
+KERNEL = CpuKernel("specserve_cpu_quant_gemm", "cpu_quant_gemm.cpp", "SPECSERVE_DISABLE_QUANT_KERNEL")
+build_extension = KERNEL.build
+load_extension = KERNEL.load
 
 
 @dataclass

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -28,22 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specserve.bench.machine import machine_info as machine  # noqa: E402
 from specserve.layers.attention import TorchAttentionBackend, build_attention_metadata  # noqa: E402
 from specserve.layers.cpu_attention import CpuPagedAttentionBackend, load_attention_extension  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BATCHES = [1, 8, 32]
 SEQ_LENS = [128, 512, 2048]
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}
 
 
 def decode_batch(batch: int, seq_len: int, gen: torch.Generator):

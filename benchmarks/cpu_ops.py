@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -23,20 +21,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specserve.bench.machine import machine_info as machine  # noqa: E402
 from specserve.layers import cpu_ops  # noqa: E402
 
 HIDDEN, FFN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EPS = 576, 1536, 9, 3, 64, 1e-5
 ROWS = [1, 8, 32]
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}
 
 
 def time_per_call(fn, repeats: int, min_seconds: float = 0.05) -> float:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -28,22 +26,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specserve.bench.machine import machine_info as machine  # noqa: E402
 from specserve.layers.quant_cpu import BLOCK_BYTES, QuantizedWeight, load_extension, quant_linear  # noqa: E402
 
 SHAPES = [("q4_1", 3072, 576), ("q4_1", 576, 1536), ("q4_1", 960, 576), ("q4_1", 576, 576), ("q8_0", 49152, 576)]
 ROWS = [1, 8, 32]
 COLD_BYTES = 192 << 20  # fp32 weight copies per shape add up to at least this (> 32 MiB L3, x6)
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average": os.getloadavg()}
 
 
 def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:  # [n, row_bytes] uint8

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from specserve.bench.machine import machine_info as machine
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_offline.py"
@@ -34,17 +35,6 @@ VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_offline.py"
 def mt_bench_prompts(data_dir: Path) -> list[str]:
     rows = [json.loads(line) for line in (data_dir / "mt_bench" / "question.jsonl").read_text().splitlines() if line]
     return [r["turns"][0] for r in rows]
-
-
-def machine() -> dict:
-    import torch
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def run_specserve(prompt_ids: list[list[int]], batches: list[int], max_tokens: int, dtype: str) -> dict:

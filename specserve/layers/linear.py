@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers.quant_cpu import quant_linear
+
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -52,7 +54,6 @@ class Linear(nn.Linear):
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
         if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
-            from specserve.layers.quant_cpu import quant_linear
             return quant_linear(x, self.quant, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

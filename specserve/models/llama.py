@@ -17,6 +17,7 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import QUANT_MAX_ROWS, Linear, pack_weight, packed_linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
+from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
 from specserve.layers.rope import RotaryEmbedding
 
 
@@ -145,7 +146,6 @@ class LlamaForCausalLM(nn.Module):
         """Give projections their checkpoint's GGUF blocks (``{hf_name: QuantizedTensor}``) so small batches
         run the block-quantized CPU kernel. Returns how many layers got them (0 if the kernel is unavailable).
         Fused projections get blocks only when all their parts are quantized in one format."""
-        from specserve.layers.quant_cpu import QuantizedWeight, load_extension
         if load_extension() is None:
             return 0
 
@@ -201,7 +201,6 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
         if self._quant_head is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
-            from specserve.layers.quant_cpu import quant_linear
             return quant_linear(hidden, self._quant_head).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()

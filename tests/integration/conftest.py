@@ -59,24 +59,21 @@ class LiveServer:
         return f"{self.base_url}/v1"
 
 
-@pytest.fixture(scope="module", params=["real", "fake"])
-def server(request, smollm2_gguf_path) -> Iterator[LiveServer]:
-    engine = make_async_engine(request.param)
+def _live_server(engine: Any) -> Iterator[LiveServer]:
     app = build_app(engine, engine.model_name, max_request_body_bytes=MAX_REQUEST_BODY_BYTES)
     base_url, stop = start_server_in_thread(app)
     try:
         yield LiveServer(base_url=base_url, engine=engine, model=engine.model_name)
     finally:
         stop()
+
+
+@pytest.fixture(scope="module", params=["real", "fake"])
+def server(request, smollm2_gguf_path) -> Iterator[LiveServer]:
+    yield from _live_server(make_async_engine(request.param))
 
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[LiveServer]:
     """A server over the fake engine alone, for tests that inject engine failures."""
-    engine = make_async_engine("fake")
-    app = build_app(engine, engine.model_name, max_request_body_bytes=MAX_REQUEST_BODY_BYTES)
-    base_url, stop = start_server_in_thread(app)
-    try:
-        yield LiveServer(base_url=base_url, engine=engine, model=engine.model_name)
-    finally:
-        stop()
+    yield from _live_server(make_async_engine("fake"))

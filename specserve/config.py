@@ -81,6 +81,37 @@ class SchedulerConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
 
 
+SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
+# Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
+SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
+MAX_NUM_SPEC_TOKENS = 16
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding: the server's default method and ``num_spec_tokens``, the drafter to load and the
+    n-gram matcher's settings. Requests may override method and ``num_spec_tokens`` (``SpecParams``).
+
+    ``model`` is the drafter for ``method`` draft / eagle3 / peagle: a model path (draft), a head checkpoint
+    directory (eagle3, peagle), or ``dummy`` / ``dummy:<seed>`` for a randomly initialised head (eagle3, peagle)
+    or a random draft model shaped like the target (draft) - random drafters are accepted rarely, which makes
+    them the hard case for losslessness tests and the cost floor in benchmarks."""
+
+    method: str = "none"
+    model: str | None = None
+    num_spec_tokens: int = 3
+    ngram_min: int = 1  # shortest suffix n-gram the lookup will match
+    ngram_max: int = 4  # longest suffix n-gram tried first
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}")
+        _require(self.method not in SPEC_MODEL_METHODS or bool(self.model), "model",
+                 f"speculative method {self.method!r} needs a drafter model")
+        _require(1 <= self.num_spec_tokens <= MAX_NUM_SPEC_TOKENS, "num_spec_tokens",
+                 f"must be in [1, {MAX_NUM_SPEC_TOKENS}]")
+        _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min", "must satisfy 1 <= ngram_min <= ngram_max")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, in one tree."""
@@ -94,6 +125,7 @@ class EngineConfig:
     quantized_cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",

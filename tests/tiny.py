@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import LLMEngine
 from specserve.models.loader import _init_dummy, build_model
 
@@ -20,7 +20,8 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
 
 def tiny_engine(architecture: str = "llama", seed: int = 0, num_blocks: int = 256, block_size: int = 4,
                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, chunked: bool = True,
-                max_model_len: int = 512, sampler_seed: int = 0) -> LLMEngine:
+                max_model_len: int = 512, sampler_seed: int = 0, spec: SpecConfig | None = None,
+                proposers: dict | None = None) -> LLMEngine:
     config = tiny_config(architecture)
     model = build_model(config, config.max_position_embeddings, torch.float32, torch.device("cpu"))
     _init_dummy(model, seed)
@@ -30,8 +31,9 @@ def tiny_engine(architecture: str = "llama", seed: int = 0, num_blocks: int = 25
     engine_config = EngineConfig(
         model="tiny", seed=sampler_seed, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=chunked, max_model_len=max_model_len))
-    return LLMEngine(engine_config, model, config, tokenizer=None)
+                                  enable_chunked_prefill=chunked, max_model_len=max_model_len),
+        speculative=spec or SpecConfig())
+    return LLMEngine(engine_config, model, config, tokenizer=None, proposers=proposers)
 
 
 def prompts(lengths: list[int], vocab: int = 97, seed: int = 0) -> list[list[int]]:

@@ -1,5 +1,13 @@
-"""The synchronous engine: ``step()`` = schedule, run, sample, commit. One call advances every running
-request by one token (or one prefill chunk)."""
+"""The synchronous engine: ``step()`` = schedule, run, verify, commit, draft. One call advances every running
+request by one prefill chunk, or by 1 to ``1 + num_spec_tokens`` tokens when it decodes.
+
+Speculative decoding is part of every step, not a separate loop: a decoding request carries the drafts its
+proposer made at the end of the previous step; the scheduler gives it ``1 + num_drafts`` query tokens; the
+target scores them all in the same ragged forward as everyone else's prefill chunks and decode tokens; the
+verifier (``spec/verify.py``) keeps the accepted prefix plus one recovered or bonus token; KV of rejected
+drafts is rolled back; the kept tokens are committed one by one through the stop conditions; then each
+proposer sees what was verified and drafts for the next step. A plain decode step is the ``num_drafts == 0``
+case of the same path."""
 
 from __future__ import annotations
 
@@ -14,8 +22,10 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Request, RequestOutput
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.stats import RequestStats, StepStats
-from specserve.layers.sampler import sample
 from specserve.sampling import SamplingParams
+from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
+from specserve.spec.proposer import Proposer, VerifiedChunk
+from specserve.spec.verify import verify
 
 
 class MetricsSink(Protocol):
@@ -24,7 +34,8 @@ class MetricsSink(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model, model_config, tokenizer, metrics: MetricsSink | None = None):
+    def __init__(self, config: EngineConfig, model, model_config, tokenizer, metrics: MetricsSink | None = None,
+                 proposers: dict[str, Proposer] | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = model_config
@@ -43,6 +54,14 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
+        if proposers is None:
+            from specserve.spec.factory import build_proposers
+            proposers = build_proposers(config, model, model_config, self.runner.num_blocks, self.device)
+        self.proposers = proposers
+        self.aux_layer_ids = tuple(sorted({i for p in proposers.values() for i in p.aux_layer_ids}))
+        spec = config.speculative
+        self.default_spec = SpecParams(spec.method, spec.num_spec_tokens) if spec.method != "none" else SPEC_OFF
+        self.default_num_spec_tokens = spec.num_spec_tokens
 
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: MetricsSink | None = None) -> LLMEngine:
@@ -53,7 +72,22 @@ class LLMEngine:
         return cls(config, model, model_config, tokenizer, metrics)
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def resolve_spec(self, method: str | None = None, num_spec_tokens: int | None = None) -> SpecParams:
+        """A request's speculation from its override: ``method`` "none" turns it off; a missing method keeps
+        the server's; a missing ``num_spec_tokens`` takes the server's. Raises ValueError naming the field."""
+        if method is None and num_spec_tokens is None:
+            return self.default_spec
+        method = self.default_spec.method if method is None else method
+        if method == "none":
+            return SPEC_OFF
+        if method not in self.proposers:
+            loaded = ", ".join(sorted(self.proposers)) or "none"
+            raise ValueError(f"speculative.method: {method!r} is not loaded on this server (available: {loaded})")
+        k = self.default_num_spec_tokens if num_spec_tokens is None else num_spec_tokens
+        return SpecParams(method, k) if k > 0 else SPEC_OFF
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    spec: SpecParams | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if not prompt_ids:
@@ -71,7 +105,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, generator=gen, detokenizer=detok)
+        spec = self.default_spec if spec is None else spec
+        if spec.enabled and spec.method not in self.proposers:
+            raise ValueError(f"speculative.method: {spec.method!r} is not loaded on this server")
+        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, generator=gen, detokenizer=detok,
+                      spec=spec)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -96,6 +134,8 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        for req in sched.preempted:
+            self._free_spec_state(req)
         if sched.is_empty:
             return []
         now = time.monotonic()
@@ -105,15 +145,71 @@ class LLMEngine:
         self.runner.copy_blocks(self.block_manager.pending_copies)
         self.block_manager.pending_copies.clear()
         tables = [self.block_manager.block_table(s.request.request_id) for s in sched.scheduled]
-        logits = self.runner.execute(sched, tables)
+        out = self.runner.execute(sched, tables, self.aux_layer_ids)
         sampling = [s for s in sched.scheduled if s.samples]
-        tokens = sample(logits, [s.request.params for s in sampling],
-                        [s.request.generator for s in sampling], self.generator)
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        outputs = [self._commit(s.request, [tok]) for s, tok in zip(sampling, tokens)]
-        self._record_step(sched, len(sampling))
+        drafts = [s.request.spec_token_ids[:s.num_spec_tokens] for s in sampling]
+        draft_probs = [None if s.request.spec_draft_probs is None else s.request.spec_draft_probs[:s.num_spec_tokens]
+                       for s in sampling]
+        emitted = verify(out.logits, out.logit_starts, drafts, draft_probs, [s.request.params for s in sampling],
+                         [s.request.generator for s in sampling], self.generator)
+        emitted_by_req = {s.request.request_id: toks for s, toks in zip(sampling, emitted)}
+
+        # Keep the KV of the last token and the accepted drafts; roll the rejected drafts' slots back.
+        chunks: list[VerifiedChunk] = []
+        step_spec: dict[str, SpecCounters] = {}
+        emitted_per_step: dict[str, list[int]] = {}
+        for s, token_start in zip(sched.scheduled, out.token_starts):
+            req = s.request
+            num_rejected = 0
+            if s.num_spec_tokens:
+                num_accepted = len(emitted_by_req[req.request_id]) - 1
+                num_rejected = s.num_spec_tokens - num_accepted
+                if num_rejected:
+                    self.block_manager.rollback(req.request_id, num_rejected)
+                req.spec_counters.record(s.num_spec_tokens, num_accepted)
+                step_spec.setdefault(req.spec.method, SpecCounters()).record(s.num_spec_tokens, num_accepted)
+            if req.spec.enabled and s.samples:
+                emitted_per_step.setdefault(req.spec.method, []).append(len(emitted_by_req[req.request_id]))
+            chunks.append(VerifiedChunk(req, req.num_computed_tokens, token_start, s.num_new_tokens - num_rejected))
+            req.num_computed_tokens += s.num_new_tokens - num_rejected
+            req.spec_token_ids = []
+            req.spec_draft_probs = None
+        outputs = [self._commit(s.request, emitted_by_req[s.request.request_id]) for s in sampling]
+        self._draft(chunks, out.aux_hidden)
+        self._record_step(sched, sum(len(o.new_token_ids) for o in outputs), step_spec, emitted_per_step)
         return outputs
+
+    def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
+        """Show each proposer what its requests verified this step, then let it draft for those now decoding."""
+        for method, proposer in self.proposers.items():
+            mine = [c for c in chunks if c.request.spec.method == method and not c.request.finished]
+            if not mine:
+                continue
+            aux = torch.cat([aux_hidden[i] for i in proposer.aux_layer_ids], dim=-1) if proposer.aux_layer_ids \
+                else None
+            proposer.observe(mine, aux)
+            requests, counts = [], []
+            for c in mine:
+                num_spec = self._num_spec_tokens(c.request)
+                if num_spec > 0:
+                    requests.append(c.request)
+                    counts.append(num_spec)
+            for req, num_spec, draft in zip(requests, counts, proposer.propose(requests, counts)):
+                req.spec_token_ids = list(draft.token_ids[:num_spec])
+                req.spec_draft_probs = None if draft.probs is None else draft.probs[:len(req.spec_token_ids)]
+
+    def _num_spec_tokens(self, req: Request) -> int:
+        """Drafts worth proposing: none while prefilling; never more than could be committed (all accepted
+        plus the bonus token must fit in max_tokens and the context limit)."""
+        if not req.spec.enabled or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        return max(0, min(req.spec.num_spec_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _free_spec_state(self, req: Request) -> None:
+        proposer = self.proposers.get(req.spec.method)
+        if proposer is not None:
+            proposer.free(req.request_id)
 
     def _commit(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Append sampled tokens one by one, applying stop conditions after each."""
@@ -171,13 +267,14 @@ class LLMEngine:
 
     def _finalize(self, req: Request, emitted: list[int]) -> RequestOutput:
         req.finished_time = time.monotonic()
+        self._free_spec_state(req)
         if req.detokenizer is not None and req.finish_reason != "abort":
             req.output_text += req.detokenizer.flush()  # bytes held back for an incomplete character
         del self.requests[req.request_id]
         if self.metrics is not None:
             self.metrics.record_request(self._request_stats(req))
         return RequestOutput(req.request_id, emitted, self._take_text(req), True, req.finish_reason,
-                             req.num_prompt_tokens, len(req.output_ids))
+                             req.num_prompt_tokens, len(req.output_ids), req.spec.method, req.spec_counters)
 
     @staticmethod
     def _request_stats(req: Request) -> RequestStats:
@@ -194,13 +291,16 @@ class LLMEngine:
             time_to_first_token=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             time_per_output_token=tpot,
             e2e_latency=end - req.arrival_time,
+            spec_method=req.spec.method,
+            spec=req.spec_counters,
         )
 
     def record_idle(self) -> None:
         """Publish queue and cache gauges outside a step (after an abort, say)."""
-        self._record_step(SchedulerOutput(), 0)
+        self._record_step(SchedulerOutput(), 0, {}, {})
 
-    def _record_step(self, sched: SchedulerOutput, num_sampled: int) -> None:
+    def _record_step(self, sched: SchedulerOutput, num_emitted: int, spec: dict[str, SpecCounters],
+                     emitted_per_step: dict[str, list[int]]) -> None:
         if self.metrics is None:
             return
         prompt_tokens = sum(
@@ -212,18 +312,22 @@ class LLMEngine:
             num_waiting=self.num_waiting,
             kv_cache_usage=self.block_manager.usage(),
             num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=num_sampled,
+            num_generation_tokens=num_emitted,
             num_preemptions=len(sched.preempted),
+            spec=spec,
+            spec_emitted_per_step=emitted_per_step,
         ))
 
     # ---- offline convenience -------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 spec: SpecParams | list[SpecParams] | None = None) -> list[Request]:
         """Run prompts to completion; returns the finished requests (output_ids, output_text) in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        slist = spec if isinstance(spec, list) else [spec] * len(prompts)
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         reqs = []
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, sp in zip(ids, prompts, plist, slist):
+            self.add_request(rid, prompt, p, sp)
             reqs.append(self.requests[rid])
         while any(not r.finished for r in reqs):
             self.step()

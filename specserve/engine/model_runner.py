@@ -1,13 +1,17 @@
 """Owns the device: the model, the KV cache tensors and the attention backend. Turns a scheduler output
-into one packed forward pass and returns the logits of the rows that sample.
+into one packed forward pass and returns the logits of the rows that sample: the last token of a request
+that samples, and every draft token of a request that verifies drafts (the verifier needs the target's
+distribution after the last token and after each draft).
 
-    scheduled (query_lens)  = [A: 3 (prefill chunk), B: 1 (decode)]
-    input_ids               = [a0 a1 a2 b5]
-    positions               = [ 0  1  2  5]
-    logits rows             = [2, 3]   (last token of each request that samples)
+    scheduled (query_lens)  = [A: 3 (prefill chunk), B: 1 (decode), C: 3 (decode + 2 drafts)]
+    input_ids               = [a0 a1 a2 b5 c7 d1 d2]
+    positions               = [ 0  1  2  5  7  8  9]
+    logits rows             = [2, 3, 4, 5, 6]   -> logit_starts = [0, 1, 2]
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +34,24 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key, value) pair per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+@dataclass
+class StepOutput:
+    """What one target forward returns to the engine."""
+
+    logits: torch.Tensor  # [num_logit_rows, vocab_size] float32
+    logit_starts: list[int]  # [num_sampling_requests] first logits row of each sampling request, scheduled order
+    token_starts: list[int]  # [num_scheduled] first packed token of each scheduled request
+    aux_hidden: dict[int, torch.Tensor]  # layer id -> [num_tokens, hidden_size] input of that target layer
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                  device: torch.device, backend: AttentionBackend | None = None) -> None:
@@ -44,10 +66,9 @@ class ModelRunner:
         else:
             per_block = kv_bytes_per_block(model_config, self.block_size, self.dtype)
             self.num_blocks = max(1, int(cache_config.kv_cache_memory_gib * 2**30) // per_block)
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
-                           torch.zeros(shape, dtype=self.dtype, device=device))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.kv_caches = allocate_kv_caches(model_config.num_hidden_layers, self.num_blocks, self.block_size,
+                                            model_config.num_key_value_heads, model_config.head_dim,
+                                            self.dtype, device)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -61,26 +82,39 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Returns logits ``[num_sampling_requests, vocab_size]`` (float32), in scheduled order."""
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                aux_layer_ids: tuple[int, ...] = ()) -> StepOutput:
+        """One packed forward over the scheduled tokens (draft tokens appended after each request's own)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logit_rows: list[int] = []
+        logit_starts: list[int] = []
+        token_starts: list[int] = []
         for s in sched.scheduled:
             r = s.request
             start, stop = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(r.token_slice(start, stop))
+            token_starts.append(len(input_ids))
+            input_ids.extend(r.token_slice(start, stop - s.num_spec_tokens))
+            input_ids.extend(r.spec_token_ids[:s.num_spec_tokens])
             positions.extend(range(start, stop))
             query_lens.append(s.num_new_tokens)
             seq_lens.append(stop)
             if s.samples:
-                logit_rows.append(len(input_ids) - 1)
+                logit_starts.append(len(logit_rows))
+                logit_rows.extend(range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids)))
+        hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return StepOutput(logits, logit_starts, token_starts, dict(zip(sorted(aux_layer_ids), aux)))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = ()):
+        """Host lists of a packed ragged batch -> ``(hidden [num_tokens, hidden_size], aux hidden list)``."""
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
         self.backend.prepare(meta, self.block_size)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden, _ = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model(ids, pos, self.kv_caches, meta, self.backend, aux_layer_ids)

@@ -2,7 +2,7 @@
 
 ``all_ids = prompt_ids + output_ids``; ``num_computed_tokens`` of them have KV in the cache. The last
 sampled token has no KV yet, so a decoding request schedules ``num_tokens - num_computed_tokens == 1``
-token; a request preempted by recompute restarts at ``num_computed_tokens = 0`` and prefills its prompt
+token, plus its draft tokens ``spec_token_ids`` when it speculates; a request preempted by recompute restarts at ``num_computed_tokens = 0`` and prefills its prompt
 and its outputs again before sampling the next token.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.sampling import SamplingParams
+from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
 
 
 class RequestStatus(enum.Enum):
@@ -34,6 +35,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
+    spec_method: str = "none"  # the request's speculative method ("none" = off)
+    spec_counters: SpecCounters | None = None  # set on the final output of a request
 
 
 @dataclass
@@ -57,6 +60,11 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding
+    spec: SpecParams = SPEC_OFF
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab_size]; None = one-hot drafts
+    spec_counters: SpecCounters = field(default_factory=SpecCounters)
 
     @property
     def num_prompt_tokens(self) -> int:

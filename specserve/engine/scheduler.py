@@ -4,6 +4,8 @@ arXiv 2308.16369).
 Every step the scheduler hands out a token budget. Running requests go first, in arrival order: a
 decoding request costs one token, a request still prefilling costs its next chunk. Then waiting requests
 are admitted first-come-first-served while budget, the running-sequence cap and free KV blocks last.
+A decoding request with draft tokens costs ``1 + num_spec_tokens`` (its last token and the drafts to
+verify); when the budget runs short its drafts are trimmed, never its own token.
 When a running request cannot get a KV block, the most recently admitted running request is preempted
 by recompute: its blocks are freed and it goes back to the front of the queue, to prefill its prompt and
 outputs again later. No request ever holds blocks while it waits.
@@ -22,13 +24,14 @@ from specserve.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens whose KV this step computes
+    num_new_tokens: int  # tokens whose KV this step computes, draft tokens included
+    num_spec_tokens: int = 0  # of which draft tokens to verify (the request's first num_spec_tokens drafts)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so the step samples a token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == r.num_tokens
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        request.spec_token_ids = []
+        request.spec_draft_probs = None
         self.waiting.appendleft(request)
 
     # ---- the step ------------------------------------------------------------------------------
@@ -89,6 +94,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
+            if num_spec and not bm.can_allocate(req.request_id, num_new + num_spec):
+                num_spec = 0  # drafts are optional: never preempt another request to verify them
+            num_new += num_spec
             while not bm.can_allocate(req.request_id, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -98,7 +107,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break  # req itself was preempted: it was the newest, nothing after it remains
             bm.allocate(req.request_id, num_new)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
             budget -= num_new
             i += 1
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specserve.spec.params import SpecCounters
 
 
 @dataclass
@@ -13,6 +15,8 @@ class StepStats:
     num_prompt_tokens: int  # prompt (prefill) tokens computed this step
     num_generation_tokens: int  # output tokens emitted this step
     num_preemptions: int  # requests preempted (recompute) this step
+    spec: dict[str, SpecCounters] = field(default_factory=dict)  # method -> drafts verified this step
+    spec_emitted_per_step: dict[str, list[int]] = field(default_factory=dict)  # method -> tokens each request emitted
 
 
 @dataclass
@@ -24,3 +28,5 @@ class RequestStats:
     time_to_first_token: float | None  # seconds from arrival to first output token; None if none
     time_per_output_token: float | None  # mean seconds between output tokens; None if fewer than 2
     e2e_latency: float  # seconds from arrival to finish
+    spec_method: str = "none"
+    spec: SpecCounters = field(default_factory=SpecCounters)

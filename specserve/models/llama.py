@@ -185,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         aux_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states ``[num_tokens, hidden_size]`` and the inputs of the
-        layers named in ``aux_layer_ids`` (EAGLE-3 fuses low/mid/high target features)."""
+        layers named in ``aux_layer_ids``, in ascending id order (EAGLE-3 fuses low/mid/high target features;
+        id ``num_hidden_layers`` is the last layer's output before the final norm)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         aux: list[torch.Tensor] = []
@@ -194,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
             if i in aux_layer_ids:
                 aux.append(x if residual is None else residual + x)  # the layer's input hidden state
             x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend)
+        if len(self.layers) in aux_layer_ids:
+            aux.append(residual + x)  # id num_layers: the last layer's output, before the final norm
         return self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps), aux
 
     def compute_logits(

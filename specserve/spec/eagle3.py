@@ -1,0 +1,143 @@
+"""EAGLE-3 proposer (Li et al., arXiv 2503.01840): the head (``eagle_head.py``) drafts ``num_spec_tokens``
+tokens one forward at a time, each step feeding back its own output feature.
+
+Bookkeeping per request (``DraftKV``): head entry ``j`` pairs target position ``j``'s fused features with the
+token at ``j + 1``, so after the target has verified positions ``0 .. n - 1`` (n = num_computed_tokens) and the
+request's token list holds ``n + 1`` tokens, the head can ingest entries ``0 .. n - 1``. ``observe`` queues the
+features of each step's verified positions; ``propose`` ingests every queued entry of every request in one
+ragged forward (prefill chunks included, so queues never grow), takes the first draft from each drafting
+request's last entry, then runs ``num_spec_tokens - 1`` single-token steps, and truncates the head's cache
+back to the real entries.
+
+    target positions 0..9 verified, tokens t0..t10   ->  entries (t1,h0) .. (t10,h9) ingested
+    entry 9's output                                  ->  draft d1 (for position 10), feature f1
+    step 2: entry (d1, f1) at position 10             ->  d2;  step 3: (d2, f2) at 11 -> d3
+    truncate to 10 entries                            ->  positions 10, 11 are re-ingested with real features
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.request import Request
+from specserve.spec.draft_kv import DraftKV
+from specserve.spec.eagle_head import EagleHead
+from specserve.spec.proposer import Draft, VerifiedChunk
+
+
+class Eagle3Proposer:
+    method = "eagle3"
+
+    def __init__(self, head: EagleHead, target, num_blocks: int, block_size: int, device: torch.device) -> None:
+        if head.embed_tokens is None:
+            head.target_embed = target.embed_tokens
+        self.head = head
+        self.aux_layer_ids = tuple(head.config.aux_layer_ids)
+        c = head.config.layer
+        dtype = next(head.parameters()).dtype
+        self.kv = DraftKV(len(head.layers), c.num_key_value_heads, c.head_dim, num_blocks, block_size, dtype, device)
+        self.device = device
+        # request id -> (request, [(position_start, features [num_tokens, n_aux * target_hidden])])
+        self.pending: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
+
+    def observe(self, chunks: list[VerifiedChunk], aux_hidden: torch.Tensor | None) -> None:
+        assert aux_hidden is not None, "EAGLE heads need the target's aux hidden states"
+        for c in chunks:
+            if c.num_tokens:
+                rows = aux_hidden[c.token_start:c.token_start + c.num_tokens]
+                self.pending.setdefault(c.request.request_id, (c.request, []))[1].append((c.position_start, rows))
+
+    def free(self, request_id: str) -> None:
+        self.kv.free(request_id)
+        self.pending.pop(request_id, None)
+
+    # ---- drafting ------------------------------------------------------------------------------
+    def _ingest_inputs(self, extra_slots: dict[str, int]):
+        """Packed inputs for every queued entry, plus ``extra_slots[rid]`` P-EAGLE mask slots after a request's
+        entries. Returns (rids, query_lens, input_ids, positions, features, last_real_row per rid)."""
+        rids, query_lens, input_ids, positions, feats = [], [], [], [], []
+        last_real: dict[str, int] = {}
+        num_rows = 0
+        for rid, (req, parts) in self.pending.items():
+            start = parts[0][0]
+            computed = self.kv.computed(rid)
+            if start != computed:
+                raise RuntimeError(f"{self.method}: request {rid} queued entries from position {start} but its "
+                                   f"head cache holds {computed}")
+            features = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            num = features.shape[0]
+            rids.append(rid)
+            query_lens.append(num + extra_slots.get(rid, 0))
+            input_ids.extend(req.token_slice(start + 1, start + num + 1))
+            positions.extend(range(start, start + num))
+            feats.append(features)
+            num_rows += num
+            last_real[rid] = num_rows - 1
+            num_rows += extra_slots.get(rid, 0)
+        return rids, query_lens, input_ids, positions, feats, last_real
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_spec_tokens: list[int]) -> list[Draft]:
+        if not self.pending:
+            return [Draft([]) for _ in requests]
+        rids, query_lens, input_ids, positions, feats, last_real = self._ingest_inputs({})
+        self.pending.clear()
+        head, kv = self.head, self.kv
+        meta = kv.metadata(rids, query_lens)
+        hidden = head.fuse(torch.cat(feats))
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        normed, fed = head(ids, hidden, pos, kv.kv_caches, meta, kv.backend)
+        drafting = [i for i, r in enumerate(requests) if r.request_id in last_real]
+        tokens: list[list[int]] = [[] for _ in requests]
+        if not drafting:
+            return [Draft([]) for _ in requests]
+        rows = torch.tensor([last_real[requests[i].request_id] for i in drafting], device=self.device)
+        new = head.draft_token_ids(normed[rows]).tolist()
+        fed = fed[rows]
+        for i, tok in zip(drafting, new):
+            tokens[i].append(tok)
+        step = 1
+        active = drafting
+        while True:
+            keep = [j for j, i in enumerate(active) if num_spec_tokens[i] > step]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            fed = fed[torch.tensor(keep, device=self.device)]
+            # Entry (previous draft, its feature) at position num_tokens - 2 + step.
+            meta = kv.metadata([requests[i].request_id for i in active], [1] * len(active))
+            ids = torch.tensor([tokens[i][-1] for i in active], dtype=torch.int64, device=self.device)
+            pos = torch.tensor([requests[i].num_tokens - 2 + step for i in active], dtype=torch.int64,
+                               device=self.device)
+            normed, fed = head(ids, fed, pos, kv.kv_caches, meta, kv.backend)
+            for i, tok in zip(active, head.draft_token_ids(normed).tolist()):
+                tokens[i].append(tok)
+            step += 1
+        for r in requests:
+            kv.truncate(r.request_id, r.num_tokens - 1)
+        return [Draft(t) for t in tokens]
+
+
+def load_eagle_proposer(method: str, model: str, target, target_config, num_blocks: int, block_size: int,
+                        device: torch.device, seed: int = 0):
+    """``method`` "eagle3" or "peagle"; ``model`` a checkpoint directory or ``dummy`` / ``dummy:<seed>``."""
+    from specserve.spec.eagle_checkpoint import dummy_head, load_eagle_head
+    dtype = next(target.parameters()).dtype
+    if model == "dummy" or model.startswith("dummy:"):
+        head_seed = int(model.split(":", 1)[1]) if ":" in model else seed + 1
+        head = dummy_head(target_config, method == "peagle", head_seed, target.max_position, dtype, device)
+    else:
+        head = load_eagle_head(model, target_config.num_hidden_layers, target_config.vocab_size,
+                               target.max_position, dtype, device)
+    if head.config.parallel != (method == "peagle"):
+        kind = "P-EAGLE" if head.config.parallel else "EAGLE-3"
+        raise ValueError(f"speculative.model: {model} is a {kind} head; use --spec-method "
+                         f"{'peagle' if head.config.parallel else 'eagle3'}")
+    from specserve.layers.ops import select_ops
+    head.set_ops(select_ops(device, dtype))
+    head.pack_weights()
+    if method == "peagle":
+        from specserve.spec.peagle import PEagleProposer
+        return PEagleProposer(head, target, num_blocks, block_size, device)
+    return Eagle3Proposer(head, target, num_blocks, block_size, device)

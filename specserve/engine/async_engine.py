@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from specserve.engine.engine import LLMEngine
 from specserve.engine.request import RequestOutput
 from specserve.sampling import SamplingParams
+from specserve.spec.params import SpecParams
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     stream: asyncio.Queue
+    spec: SpecParams | None = None  # None: the server's default
 
 
 @dataclass
@@ -73,12 +75,16 @@ class AsyncEngine:
         self._thread = None
 
     # ---- API for handlers ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def resolve_spec(self, method: str | None = None, num_spec_tokens: int | None = None) -> SpecParams:
+        """``LLMEngine.resolve_spec``: safe from any thread (it reads only what the engine fixed at start)."""
+        return self.engine.resolve_spec(method, num_spec_tokens)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       spec: SpecParams | None = None) -> AsyncIterator[RequestOutput]:
         if self._thread is None:
             raise EngineError("engine loop is not running")
         stream: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, list(prompt_ids), params, stream))
+        self._commands.put(_Add(request_id, list(prompt_ids), params, stream, spec))
         finished = False
         try:
             while True:
@@ -113,7 +119,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             self._streams[cmd.request_id] = cmd.stream
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.spec)
             except ValueError as e:
                 self._deliver(cmd.request_id, e)
         elif isinstance(cmd, _Abort):

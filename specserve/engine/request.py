@@ -2,8 +2,9 @@
 
 ``all_ids = prompt_ids + output_ids``; ``num_computed_tokens`` of them have KV in the cache. The last
 sampled token has no KV yet, so a decoding request schedules ``num_tokens - num_computed_tokens == 1``
-token, plus its draft tokens ``spec_token_ids`` when it speculates; a request preempted by recompute restarts at ``num_computed_tokens = 0`` and prefills its prompt
-and its outputs again before sampling the next token.
+token, plus its draft tokens ``spec_token_ids`` when it speculates; a request preempted by recompute
+restarts at ``num_computed_tokens = 0`` and prefills its prompt and its outputs again before sampling the
+next token.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def _layer_config(hf: dict[str, Any]) -> ModelConfig:
         qk_norm=kind == "qwen3", name="eagle-head")
 
 
-def head_config_from_json(cfg: dict[str, Any], num_target_layers: int, target_vocab_size: int) -> EagleHeadConfig:
+def head_config_from_json(cfg: dict[str, Any], num_target_layers: int, target_vocab_size: int,
+                          has_embedding: bool = True) -> EagleHeadConfig:
     """Either dialect's config.json -> ``EagleHeadConfig``. Raises ValueError naming what is wrong."""
     kind = cfg.get("speculators_model_type")
     if kind is not None:
@@ -107,7 +108,8 @@ def head_config_from_json(cfg: dict[str, Any], num_target_layers: int, target_vo
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)), fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=bool(cfg.get("norm_output", False)) if kind is not None else False,
-        parallel=parallel, mask_token_id=None if mask is None else int(mask), num_spec_tokens=num_spec)
+        has_embedding=has_embedding, parallel=parallel, mask_token_id=None if mask is None else int(mask),
+        num_spec_tokens=num_spec)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -199,32 +201,33 @@ def load_eagle_head(path: str | Path, num_target_layers: int, target_vocab_size:
     path = Path(path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"speculative.model: {path} has no config.json")
+    state = _read_weights(path)
     config = head_config_from_json(json.loads((path / "config.json").read_text()), num_target_layers,
-                                   target_vocab_size)
+                                   target_vocab_size, has_embedding="embed_tokens.weight" in state)
     head = build_head(config, max_position, dtype, device)
-    state = {k: v.to(device) for k, v in _read_weights(path).items()}
-    load_head_state(head, {k: v if k == "d2t" else v.to(dtype) for k, v in state.items()})
+    load_head_state(head, {k: v.to(device) if k == "d2t" else v.to(device, dtype) for k, v in state.items()})
     return head
 
 
 def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int, dtype: torch.dtype,
-               device: torch.device) -> EagleHead:
+               device: torch.device, num_layers: int | None = None, **overrides) -> EagleHead:
     """A random head shaped for ``target``: one layer (two for P-EAGLE), a draft vocabulary of half the target's
-    ids (a random sorted subset, so the d2t mapping is exercised) and the target's embedding table."""
+    ids (a random sorted subset, so the d2t mapping is exercised) and the target's embedding table.
+    ``overrides`` replace ``EagleHeadConfig`` fields (norm_before_residual, has_embedding, fc_norm, ...)."""
     gen = torch.Generator().manual_seed(seed)
     layer_cfg = {k: getattr(target, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                   "num_attention_heads", "num_key_value_heads", "head_dim",
                                                   "rms_norm_eps", "rope_theta", "rope_scaling",
                                                   "max_position_embeddings")}
-    layer = ModelConfig(architecture="llama", num_hidden_layers=2 if parallel else 1, name="eagle-head-dummy",
-                        **layer_cfg)
+    layer = ModelConfig(architecture="llama", num_hidden_layers=num_layers or (2 if parallel else 1),
+                        name="eagle-head-dummy", **layer_cfg)
     draft_vocab = max(1, target.vocab_size // 2)
-    config = EagleHeadConfig(layer=layer, target_hidden_size=target.hidden_size, draft_vocab_size=draft_vocab,
-                             aux_layer_ids=default_aux_layer_ids(target.num_hidden_layers)
-                             if target.num_hidden_layers >= 4 else (0, target.num_hidden_layers // 2,
-                                                                    target.num_hidden_layers),
-                             has_embedding=False, parallel=parallel,
-                             mask_token_id=target.vocab_size - 1 if parallel else None)
+    num = target.num_hidden_layers
+    fields = {"target_hidden_size": target.hidden_size, "draft_vocab_size": draft_vocab,
+              "aux_layer_ids": default_aux_layer_ids(num) if num >= 4 else (0, num // 2, num),
+              "has_embedding": False, "parallel": parallel,
+              "mask_token_id": target.vocab_size - 1 if parallel else None}
+    config = EagleHeadConfig(layer=layer, **{**fields, **overrides})
     head = build_head(config, max_position, dtype, device)
     with torch.no_grad():
         for name, p in head.named_parameters():

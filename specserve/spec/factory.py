@@ -17,7 +17,8 @@ def build_proposers(config: EngineConfig, target, target_config: ModelConfig, nu
     spec = config.speculative
     proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
     # Drafted positions live past the verified ones, so the drafter's cache gets a little headroom.
-    draft_blocks = num_blocks + config.scheduler.max_num_seqs * (-(-spec.num_spec_tokens // config.cache.block_size) + 1)
+    blocks_per_draft = -(-spec.num_spec_tokens // config.cache.block_size) + 1
+    draft_blocks = num_blocks + config.scheduler.max_num_seqs * blocks_per_draft
     if spec.method == "draft":
         from specserve.spec.draft_model import DraftModelProposer
         proposers["draft"] = DraftModelProposer(load_draft_model(config, target, target_config, device),

@@ -1,0 +1,197 @@
+"""EAGLE-3 and P-EAGLE heads: both checkpoint dialects load (speculators round trip, SpecForge/EAGLE flat
+config with ``midlayer.*`` weights), bad configs are refused by field, and the engine's incremental drafting
+(cached head KV, queued target features, truncation after each round) drafts exactly what a from-scratch
+reference computation over the whole sequence drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.config import SpecConfig
+from specserve.layers.attention import TorchAttentionBackend, build_attention_metadata
+from specserve.sampling import SamplingParams
+from specserve.spec.eagle3 import Eagle3Proposer
+from specserve.spec.eagle_checkpoint import dummy_head, head_config_from_json, load_eagle_head, save_speculators
+from specserve.spec.peagle import PEagleProposer
+from tests.tiny import prompts, tiny_config, tiny_engine
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def make_head(parallel: bool = False, **overrides):
+    return dummy_head(tiny_config(), parallel, seed=3, max_position=512, dtype=torch.float32, device=CPU,
+                      **overrides)
+
+
+def load(path, config=None):
+    c = config or tiny_config()
+    return load_eagle_head(path, c.num_hidden_layers, c.vocab_size, 512, torch.float32, CPU)
+
+
+def assert_same_head(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+    for field in ("draft_vocab_size", "aux_layer_ids", "norm_before_residual", "parallel", "mask_token_id",
+                  "has_embedding", "target_hidden_size"):
+        assert getattr(a.config, field) == getattr(b.config, field), field
+
+
+@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True, "has_embedding": True},
+                                     {"fc_norm": True, "num_layers": 2}, {"parallel": True}])
+def test_speculators_checkpoint_round_trip(tmp_path, variant) -> None:
+    head = make_head(**variant)
+    save_speculators(head, tmp_path, verifier="tiny")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == ("peagle" if variant.get("parallel") else "eagle3")
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["d2t"].dtype == torch.int64 and int(weights["t2d"].sum()) == head.config.draft_vocab_size
+    assert "layers.0.self_attn.q_proj.weight" in weights and "layers.0.hidden_norm.weight" in weights
+    assert_same_head(head, load(tmp_path))
+
+
+def test_speculators_round_trip_gives_the_same_drafts(tmp_path) -> None:
+    head = make_head()
+    save_speculators(head, tmp_path)
+    runs = []
+    for h in (head, load(tmp_path)):
+        engine = tiny_engine()
+        proposer = Eagle3Proposer(h, engine.runner.model, 256, 4, CPU)
+        engine = tiny_engine(proposers={"eagle3": proposer}, spec=SpecConfig(method="eagle3", model="given",
+                                                                            num_spec_tokens=3))
+        proposer.head.target_embed = engine.runner.model.embed_tokens
+        drafts = record_drafts(proposer)
+        engine.generate(prompts([5, 17, 9]), GREEDY)
+        runs.append([d for _, _, d in drafts])
+    assert runs[0] == runs[1] and len(runs[0]) > 10
+
+
+def test_specforge_flat_checkpoint_loads(tmp_path) -> None:
+    head = make_head(has_embedding=True, aux_layer_ids=(1, 2))  # layer ids >= 1: SpecForge counts outputs
+    save_speculators(head, tmp_path / "spec")
+    state = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    flat = {("model." if i % 2 else "") + k.replace("layers.0.", "midlayer."): v
+            for i, (k, v) in enumerate(state.items())}
+    (tmp_path / "flat").mkdir()
+    save_file(flat, str(tmp_path / "flat" / "model.safetensors"))
+    c = tiny_config()
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+           "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size, "draft_vocab_size": head.config.draft_vocab_size,
+           "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
+           # SpecForge names the layer whose *output* is captured: one less than the layer input we store.
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.config.aux_layer_ids]}}
+    (tmp_path / "flat" / "config.json").write_text(json.dumps(cfg))
+    assert_same_head(head, load(tmp_path / "flat"))
+
+
+def test_head_config_defaults_and_errors() -> None:
+    base = {"speculators_model_type": "eagle3", "transformer_layer_config": {"num_hidden_layers": 1,
+                                                                             "vocab_size": 1000, "hidden_size": 64,
+                                                                             "num_attention_heads": 4}}
+    c = head_config_from_json(base, num_target_layers=32, target_vocab_size=1000)
+    assert c.aux_layer_ids == (2, 16, 29)  # the EAGLE-3 default for a 32-layer target
+    assert c.layer.intermediate_size == 11008 and c.layer.num_key_value_heads == 4  # Llama class defaults
+    assert c.draft_vocab_size == 1000 and not c.norm_before_residual and not c.parallel
+    with pytest.raises(ValueError, match="vocab_size"):
+        head_config_from_json(base, 32, 999)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        head_config_from_json({**base, "eagle_aux_hidden_state_layer_ids": [1, 40, 2]}, 32, 1000)
+    with pytest.raises(ValueError, match="speculators_model_type"):
+        head_config_from_json({**base, "speculators_model_type": "medusa"}, 32, 1000)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        head_config_from_json({**base, "speculators_model_type": "peagle"}, 32, 1000)
+    with pytest.raises(ValueError, match="architectures"):
+        head_config_from_json({"architectures": ["LlamaForCausalLM"]}, 32, 1000)
+
+
+def test_missing_weight_is_named(tmp_path) -> None:
+    head = make_head()
+    save_speculators(head, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["fc.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        load(tmp_path)
+
+
+# ---- incremental drafting == from-scratch reference ---------------------------------------------------------
+def record_drafts(proposer):
+    """Wrap ``proposer.propose`` to record (tokens at drafting time, num_spec_tokens, draft) per request."""
+    seen = []
+    inner = proposer.propose
+
+    def propose(requests, counts):
+        drafts = inner(requests, counts)
+        seen.extend((r.prompt_ids + r.output_ids, k, d.token_ids) for r, k, d in zip(requests, counts, drafts))
+        return drafts
+    proposer.propose = propose
+    return seen
+
+
+def fresh_forward(module_call, num_layers: int, num_kv_heads: int, head_dim: int, n: int):
+    """Run a model or head over n positions from scratch with a throwaway cache."""
+    blocks = -(-n // 4)
+    caches = [(torch.zeros(blocks, 4, num_kv_heads, head_dim), torch.zeros(blocks, 4, num_kv_heads, head_dim))
+              for _ in range(num_layers)]
+    meta = build_attention_metadata([n], [n], [list(range(blocks))], 4, CPU)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta, 4)
+    with torch.inference_mode():
+        return module_call(caches, meta, backend)
+
+
+def reference_drafts(target, head, tokens: list[int], k: int) -> list[int]:
+    n = len(tokens) - 1  # target positions with verified features
+    tc = target.config
+    _, aux = fresh_forward(lambda c, m, b: target(torch.tensor(tokens[:n]), torch.arange(n), c, m, b,
+                                                  head.config.aux_layer_ids),
+                           tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, n)
+    by_layer = dict(zip(sorted(head.config.aux_layer_ids), aux))
+    with torch.inference_mode():
+        hidden = head.fuse(torch.cat([by_layer[i] for i in head.config.aux_layer_ids], dim=-1))
+    ids = list(tokens[1:])
+    hc = head.config.layer
+
+    def run(ids, hidden):
+        m = len(ids)
+        return fresh_forward(lambda c, meta, b: head(torch.tensor(ids), hidden, torch.arange(m), c, meta, b),
+                             len(head.layers), hc.num_key_value_heads, hc.head_dim, m)
+    if head.config.parallel:
+        with torch.inference_mode():
+            mask = head.fuse(head.mask_hidden[None, :]).expand(k - 1, -1)
+        normed, _ = run(ids + [head.config.mask_token_id] * (k - 1), torch.cat([hidden, mask]))
+        with torch.inference_mode():
+            return head.draft_token_ids(normed[n - 1:]).tolist()
+    drafts = []
+    for _ in range(k):
+        normed, fed = run(ids, hidden)
+        with torch.inference_mode():
+            d = int(head.draft_token_ids(normed[-1:])[0])
+        drafts.append(d)
+        ids = ids + [d]
+        hidden = torch.cat([hidden, fed[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("budget", [512, 7])
+def test_incremental_drafts_equal_the_from_scratch_reference(parallel: bool, budget: int) -> None:
+    method = "peagle" if parallel else "eagle3"
+    engine = tiny_engine(spec=SpecConfig(method=method, model="dummy", num_spec_tokens=4),
+                         max_num_batched_tokens=budget)
+    proposer = engine.proposers[method]
+    assert isinstance(proposer, PEagleProposer if parallel else Eagle3Proposer)
+    drafts = record_drafts(proposer)
+    engine.generate(prompts([5, 17, 3, 40]), GREEDY)
+    assert len(drafts) > 20
+    for tokens, k, draft in drafts:
+        assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)

@@ -1,0 +1,135 @@
+"""The verifier on synthetic logits: greedy acceptance rules, ragged batches, and the output distribution of
+chain rejection sampling at temperature 0.8 / top-p 0.9 against the target's own distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.layers.sampler import target_probs
+from specserve.sampling import SamplingParams
+from specserve.spec.verify import verify
+
+GREEDY = SamplingParams(temperature=0.0)
+HOT = SamplingParams(temperature=0.8, top_p=0.9)
+
+
+def logits_with_argmax(argmaxes: list[int], vocab: int = 11) -> torch.Tensor:
+    """[len(argmaxes), vocab] rows whose argmax is the given token."""
+    rows = torch.randn(len(argmaxes), vocab, generator=torch.Generator().manual_seed(len(argmaxes)))
+    rows[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 10.0
+    return rows
+
+
+def run_greedy(rows: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
+    logits = logits_with_argmax([t for r in rows for t in r])
+    starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    gen = torch.Generator().manual_seed(0)
+    return verify(logits, starts, drafts, [None] * len(rows), [GREEDY] * len(rows), [None] * len(rows), gen)
+
+
+def test_greedy_perfect_match_emits_all_drafts_and_the_bonus_token() -> None:
+    assert run_greedy([[4, 5, 6, 7]], [[4, 5, 6]]) == [[4, 5, 6, 7]]
+
+
+def test_greedy_early_mismatch_emits_the_recovered_token_and_stops() -> None:
+    assert run_greedy([[4, 9, 6, 7]], [[4, 5, 6]]) == [[4, 9]]
+    assert run_greedy([[3, 5, 6, 7]], [[4, 5, 6]]) == [[3]]
+
+
+def test_empty_draft_is_plain_decoding() -> None:
+    assert run_greedy([[8]], [[]]) == [[8]]
+
+
+def test_ragged_batch_keeps_requests_apart() -> None:
+    rows = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [2, 2]]
+    drafts = [[1, 2], [], [5, 6, 0, 8, 9], [3]]
+    assert run_greedy(rows, drafts) == [[1, 2, 3], [4], [5, 6, 7], [2]]
+
+
+def test_random_row_with_one_hot_draft_never_emits_a_token_outside_top_p() -> None:
+    vocab = 6
+    logits = torch.tensor([[4.0, 3.9, -5.0, -5.0, -5.0, -5.0]] * 3)  # top-p keeps tokens 0 and 1 only
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(200):
+        out = verify(logits, [0], [[5, 0]], [None], [HOT], [None], gen)[0]
+        assert out[0] in (0, 1), "a draft outside the nucleus has target probability 0 and must be rejected"
+        seen.update(out)
+    assert seen <= {0, 1} and len(seen) == 2 and vocab == logits.shape[1]
+
+
+def test_seeded_requests_are_reproducible() -> None:
+    logits = torch.randn(4, 13, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(42)
+        outs.append([verify(logits, [0], [[1, 2, 3]], [None], [HOT], [gen], torch.Generator())[0]
+                     for _ in range(20)])
+    assert outs[0] == outs[1]
+
+
+# ---- distribution: chain rejection sampling is lossless -----------------------------------------------------
+VOCAB = 8
+
+
+def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def tv_bound(num_samples: int) -> float:
+    """About 2.5x the expected TV distance of an empirical distribution of ``num_samples`` draws over VOCAB
+    categories from the truth; it shrinks as 1 / sqrt(num_samples)."""
+    return (VOCAB / num_samples) ** 0.5
+
+
+def sample_verified(target_logits: torch.Tensor, draft_probs: torch.Tensor, num_samples: int, seed: int):
+    """Run the verifier ``num_samples`` times with drafts drawn from ``draft_probs``; returns the counts of the
+    first emitted token, and of the second one among samples that emitted at least two."""
+    gen = torch.Generator().manual_seed(seed)
+    num_draft = draft_probs.shape[0]
+    first = torch.zeros(VOCAB)
+    second = torch.zeros(VOCAB)
+    batch = 500
+    for _ in range(num_samples // batch):
+        drafts = torch.multinomial(draft_probs, batch, replacement=True, generator=gen).T.tolist()  # [batch, k]
+        logits = target_logits.repeat(batch, 1)  # [batch * (k + 1), vocab]
+        starts = [i * (num_draft + 1) for i in range(batch)]
+        outs = verify(logits, starts, drafts, [draft_probs] * batch, [HOT] * batch, [None] * batch, gen)
+        for out in outs:
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+def test_verified_tokens_follow_the_target_distribution(draft_kind: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    target_logits = torch.randn(3, VOCAB, generator=gen) * 2.0  # rows for positions 1, 2 and the bonus
+    target = target_probs(target_logits, [HOT] * 3)
+    if draft_kind == "close":
+        draft_logits = target_logits[:2] / HOT.temperature + 0.3 * torch.randn(2, VOCAB, generator=gen)
+    else:
+        draft_logits = -target_logits[:2]  # most mass where the target has least
+    draft = draft_logits.softmax(dim=-1)
+    num_samples = 20_000
+    first, second = sample_verified(target_logits, draft, num_samples, seed=1)
+    bound = tv_bound(num_samples)
+    assert total_variation(first, target[0]) < bound
+    assert total_variation(second, target[1]) < tv_bound(int(second.sum()))
+    # The test has power: passing the drafts through unverified would fail it.
+    assert 0.5 * float((draft[0] - target[0]).abs().sum()) > 3 * bound
+    # Top-p removed some tokens from the target; the verifier must never emit them.
+    assert all(first[target[0] == 0] == 0)
+
+
+def test_tv_bound_shrinks_with_samples() -> None:
+    gen = torch.Generator().manual_seed(5)
+    target_logits = torch.randn(3, VOCAB, generator=gen)
+    draft = torch.full((2, VOCAB), 1.0 / VOCAB)
+    target = target_probs(target_logits, [HOT] * 3)
+    small, _ = sample_verified(target_logits, draft, 1_000, seed=2)
+    large, _ = sample_verified(target_logits, draft, 40_000, seed=3)
+    assert total_variation(small, target[0]) < tv_bound(1_000)
+    assert total_variation(large, target[0]) < tv_bound(40_000) < tv_bound(1_000) / 5

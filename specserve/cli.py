@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.config import MAX_NUM_SPEC_TOKENS, SPEC_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,9 +38,46 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit (prompt + output tokens) per request")
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step instead of budget-sized chunks")
+    g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
+                             "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
+    g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",
+                   help="speculative decoding method: none (off), ngram (prompt lookup), draft (a small draft "
+                        "model), eagle3 or peagle (an EAGLE-3 / parallel EAGLE head)")
+    g.add_argument("--spec-model", default=None, metavar="PATH",
+                   help="drafter for --spec-method draft/eagle3/peagle: a model path or 'self' (the target "
+                        "itself) for draft, a head checkpoint directory for eagle3/peagle, or 'dummy' / "
+                        "'dummy:<seed>' for a randomly initialised drafter")
+    g.add_argument("--num-spec-tokens", type=int, default=3, metavar="K",
+                   help=f"tokens drafted per step and request, 1..{MAX_NUM_SPEC_TOKENS}")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram the n-gram lookup matches")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the n-gram lookup tries first")
+
+
+# Config fields whose flag is not simply ``--`` + the field name with dashes.
+_FLAG_OF_FIELD = {"num_blocks": "--num-kv-blocks", "speculative.method": "--spec-method",
+                  "speculative.model": "--spec-model"}
+
+
+def config_error_message(exc: Exception) -> str:
+    """A config error ("field: message", e.g. "speculative.model: ...") in argparse's words, naming the flag."""
+    field, sep, message = str(exc).partition(": ")
+    if not sep or not field.replace(".", "_").isidentifier():
+        return str(exc)
+    flag = _FLAG_OF_FIELD.get(field, "--" + field.removeprefix("speculative.").replace("_", "-"))
+    return f"argument {flag}: {message}"
+
+
+def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
+    """The ``SpecConfig`` of the flags; a bad value raises ValueError naming ``speculative.<field>``."""
+    try:
+        return SpecConfig(method=args.spec_method, model=args.spec_model, num_spec_tokens=args.num_spec_tokens,
+                          ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    except ValueError as exc:
+        raise ValueError(f"speculative.{exc}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the flags describe; raises ValueError naming the config field of a bad value."""
     model = f"dummy:{args.model_shape}" if args.load_format == "dummy" else args.model
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
@@ -51,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,
                                   max_model_len=args.max_model_len),
+        speculative=spec_config_from_args(args),
     )
 
 
@@ -67,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log verbosity")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: all cores)")
     _add_engine_args(serve)
+    serve.set_defaults(error=serve.error)  # reports a bad config value with `specserve serve`'s usage line
 
     sub.add_parser("fetch-model", help="download the default model (SmolLM2-135M-Instruct GGUF) into the cache")
 
@@ -96,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print(args.out)
         return 0
     if args.command == "serve":
-        return _serve(args)
+        try:
+            config = engine_config_from_args(args)
+        except ValueError as exc:
+            args.error(config_error_message(exc))  # exits 2, as for any bad flag
+        return _serve(args, config)
     return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     import torch
 
     from specserve.engine.async_engine import AsyncEngine
@@ -111,10 +154,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = engine_config_from_args(args)
-    engine = LLMEngine.from_config(config)
+    try:
+        engine = LLMEngine.from_config(config)
+    except FileNotFoundError as exc:  # a --model or --spec-model path that is not there
+        args.error(config_error_message(exc))
     name = args.served_model_name or default_served_name(config.model, engine.model_config.name)
-    metrics = ServingMetrics(name, max_model_len=engine.max_model_len)
+    metrics = ServingMetrics(name, max_model_len=engine.max_model_len, spec_methods=list(engine.proposers))
     async_engine = AsyncEngine(engine, metrics, model_name=name)
     serve(async_engine, args.host, args.port, name, args.log_level)
     return 0

@@ -168,13 +168,14 @@ class LLMEngine:
                     self.block_manager.rollback(req.request_id, num_rejected)
                 req.spec_counters.record(s.num_spec_tokens, num_accepted)
                 step_spec.setdefault(req.spec.method, SpecCounters()).record(s.num_spec_tokens, num_accepted)
-            if req.spec.enabled and s.samples:
-                emitted_per_step.setdefault(req.spec.method, []).append(len(emitted_by_req[req.request_id]))
             chunks.append(VerifiedChunk(req, req.num_computed_tokens, token_start, s.num_new_tokens - num_rejected))
             req.num_computed_tokens += s.num_new_tokens - num_rejected
             req.spec_token_ids = []
             req.spec_draft_probs = None
         outputs = [self._commit(s.request, emitted_by_req[s.request.request_id]) for s in sampling]
+        for s, o in zip(sampling, outputs):
+            if s.num_spec_tokens:  # tokens a verified draft let this request commit (after stop conditions)
+                emitted_per_step.setdefault(s.request.spec.method, []).append(len(o.new_token_ids))
         self._draft(chunks, out.aux_hidden)
         self._record_step(sched, sum(len(o.new_token_ids) for o in outputs), step_spec, emitted_per_step)
         return outputs

@@ -13,8 +13,11 @@ One request, in order (each step answers a 4xx ``{"error": {message, type, param
 4. check the length: the prompt must leave room for one token (400 naming ``messages``/``prompt``) and
    prompt + ``max_tokens`` must fit ``max_model_len`` (400 naming ``max_tokens``); ``max_tokens`` defaults
    to what is left of the context;
-5. iterate ``async_engine.generate``. Whatever ends the iteration early (client disconnect, error) closes
-   the engine's generator and aborts the request, so its KV blocks are freed.
+5. resolve ``speculative`` against the methods this server loaded (``async_engine.resolve_spec``; 400 with
+   ``param`` "speculative" and the message naming the sub-field, e.g. ``speculative.method: ...``);
+6. iterate ``async_engine.generate``; the final output's speculation counters become ``usage.speculative``.
+   Whatever ends the iteration early (client disconnect, error) closes the engine's generator and aborts
+   the request, so its KV blocks are freed.
 
 No module-level state: the engine, model name, metrics and limits live on ``app.state``.
 """
@@ -56,9 +59,12 @@ from specserve.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    SpeculativeOptions,
+    SpeculativeUsage,
     UsageInfo,
     parse_request,
 )
+from specserve.spec.params import SpecParams
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +179,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     created: int
+    spec: SpecParams | None = None  # None: the server's default
 
 
 async def _read_body(request: Request) -> bytes:
@@ -237,6 +244,16 @@ def _sampling_params(request: Request, req: ChatCompletionRequest | CompletionRe
         raise APIError(message, param=message.split(":", 1)[0] if ":" in message else None) from None
 
 
+def _resolve_spec(request: Request, options: SpeculativeOptions | None) -> SpecParams | None:
+    """The request's ``SpecParams``; None (the server's default) when it sent no ``speculative``."""
+    if options is None:
+        return None
+    try:
+        return request.app.state.engine.resolve_spec(options.method, options.num_spec_tokens)
+    except ValueError as exc:  # "speculative.<field>: ..."
+        raise APIError(str(exc), param="speculative") from None
+
+
 async def _prepare_chat(request: Request) -> _Prepared:
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_body(request))
     model = _check_model(request, req.model)
@@ -254,7 +271,7 @@ async def _prepare_chat(request: Request) -> _Prepared:
     prompt_ids = await run_in_threadpool(render_and_encode)
     params = _sampling_params(request, req, prompt_ids, "messages")
     return _Prepared(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, params, model, req.stream,
-                     req.include_usage, int(time.time()))
+                     req.include_usage, int(time.time()), _resolve_spec(request, req.speculative))
 
 
 async def _prepare_completion(request: Request) -> _Prepared:
@@ -272,7 +289,7 @@ async def _prepare_completion(request: Request) -> _Prepared:
         prompt_ids = await run_in_threadpool(tokenizer.encode, text, add_special_tokens=True)
     params = _sampling_params(request, req, prompt_ids, "prompt")
     return _Prepared(f"cmpl-{uuid.uuid4().hex}", prompt_ids, params, model, req.stream,
-                     req.include_usage, int(time.time()))
+                     req.include_usage, int(time.time()), _resolve_spec(request, req.speculative))
 
 
 # ------------------------------------------------------------------------------------------- generation
@@ -280,19 +297,29 @@ async def _prepare_completion(request: Request) -> _Prepared:
 
 @dataclass
 class _Final:
-    text: str
-    finish_reason: str | None
+    """What a response reports once generation ends: counts, finish reason, speculation."""
+
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    speculative: SpeculativeUsage | None = None
+
+    def update(self, out: Any) -> None:
+        """Take the counts of one ``RequestOutput``; the final one carries the speculation counters."""
+        self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+        self.finish_reason = out.finish_reason
+        if out.finished:
+            self.speculative = SpeculativeUsage.from_counters(out.spec_method, out.spec_counters)
 
     def usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                         total_tokens=self.num_prompt_tokens + self.num_output_tokens)
+                         total_tokens=self.num_prompt_tokens + self.num_output_tokens,
+                         speculative=self.speculative)
 
 
 async def _iterate(engine: Any, prep: _Prepared) -> AsyncIterator[Any]:
     """``engine.generate`` up to its finished output; closing or cancelling this aborts the request."""
-    outputs = engine.generate(prep.request_id, prep.prompt_ids, prep.params)
+    outputs = engine.generate(prep.request_id, prep.prompt_ids, prep.params, spec=prep.spec)
     finished = False
     try:
         async for out in outputs:
@@ -307,21 +334,19 @@ async def _iterate(engine: Any, prep: _Prepared) -> AsyncIterator[Any]:
             await outputs.aclose()
 
 
-async def _collect(engine: Any, prep: _Prepared) -> _Final:
+async def _collect(engine: Any, prep: _Prepared) -> tuple[str, _Final]:
+    """The whole output text and what the response reports about it."""
     parts: list[str] = []
-    final = _Final("", None, len(prep.prompt_ids), 0)
+    final = _Final(len(prep.prompt_ids))
     gen = _iterate(engine, prep)
     try:
         async for out in gen:
             parts.append(out.new_text)
-            final.num_prompt_tokens = out.num_prompt_tokens
-            final.num_output_tokens = out.num_output_tokens
-            final.finish_reason = out.finish_reason
+            final.update(out)
     finally:
         with anyio.CancelScope(shield=True):
             await gen.aclose()
-    final.text = "".join(parts)
-    return final
+    return "".join(parts), final
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -363,12 +388,12 @@ async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncGenerator[str, None
         return _sse(ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
                                         choices=[choice]))
 
-    final = _Final("", None, len(prep.prompt_ids), 0)
+    final = _Final(len(prep.prompt_ids))
     gen = _iterate(engine, prep)
     try:
         yield chunk(DeltaMessage(role="assistant", content=""))
         async for out in gen:
-            final.num_prompt_tokens, final.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+            final.update(out)
             if out.new_text:
                 yield chunk(DeltaMessage(content=out.new_text))
             if out.finished:
@@ -390,11 +415,11 @@ async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncGenerator[str
         return _sse(CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                        choices=[choice]))
 
-    final = _Final("", None, len(prep.prompt_ids), 0)
+    final = _Final(len(prep.prompt_ids))
     gen = _iterate(engine, prep)
     try:
         async for out in gen:
-            final.num_prompt_tokens, final.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+            final.update(out)
             if out.new_text:
                 yield chunk(out.new_text)
             if out.finished:
@@ -435,11 +460,11 @@ async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     if prep.stream:
         return _EventStreamResponse(_stream_chat(engine, prep))
-    final = await _cancel_on_disconnect(request, _collect(engine, prep))
-    if final is None:
+    collected = await _cancel_on_disconnect(request, _collect(engine, prep))
+    if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choice = ChatCompletionChoice(message=ChatResponseMessage(content=final.text),
-                                  finish_reason=final.finish_reason)
+    text, final = collected
+    choice = ChatCompletionChoice(message=ChatResponseMessage(content=text), finish_reason=final.finish_reason)
     response = ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                       choices=[choice], usage=final.usage())
     return JSONResponse(response.model_dump())
@@ -450,10 +475,11 @@ async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     if prep.stream:
         return _EventStreamResponse(_stream_completion(engine, prep))
-    final = await _cancel_on_disconnect(request, _collect(engine, prep))
-    if final is None:
+    collected = await _cancel_on_disconnect(request, _collect(engine, prep))
+    if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+    text, final = collected
+    choice = CompletionChoice(text=text, finish_reason=final.finish_reason)
     response = CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                   choices=[choice], usage=final.usage())
     return JSONResponse(response.model_dump())

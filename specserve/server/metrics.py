@@ -13,14 +13,24 @@ Names and meanings mirror vLLM's ``vllm:*`` series so dashboards carry over by r
   emitted per step), ``specserve_num_preemptions_total`` and
   ``specserve_request_success_total{finished_reason}`` (every finished request, aborts included);
 - per-request histograms of time to first token, mean time per output token, end-to-end latency, queue
-  time, prompt length and generation length.
+  time, prompt length and generation length;
+- speculative decoding, each series labelled by ``method`` (as vLLM's ``vllm:spec_decode_*``): counters
+  ``specserve_spec_decode_num_drafts_total`` (drafts verified), ``..._num_draft_tokens_total`` (tokens
+  drafted), ``..._num_accepted_tokens_total`` (draft tokens accepted) and
+  ``..._num_accepted_tokens_per_pos_total{position}`` (drafts whose token at 0-based ``position`` was
+  accepted); the histogram ``specserve_spec_decode_emitted_tokens_per_step`` of tokens one speculating request
+  emitted in one step (1 .. num_spec_tokens + 1); and the per-request histogram
+  ``specserve_request_spec_mean_acceptance_length`` (1 + accepted / drafts, requests with a draft only).
 
-Rates and ratios are left to PromQL (``rate(specserve_generation_tokens_total[1m])``). prometheus_client's
+Rates and ratios are left to PromQL (``rate(specserve_generation_tokens_total[1m])``; acceptance rate =
+``rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total)``). prometheus_client's
 metrics are thread-safe, so the ``record_*`` methods may be called from the engine loop thread while
 ``render`` runs in the HTTP event loop.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,7 +41,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from specserve.config import MAX_NUM_SPEC_TOKENS
 from specserve.engine.stats import RequestStats, StepStats
+from specserve.spec.params import SpecCounters
 
 # Bucket boundaries as in vLLM (v1 metrics/loggers.py), in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -40,6 +52,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens one speculating request emits in a step: 1 (nothing accepted) .. num_spec_tokens + 1 (all + bonus).
+EMITTED_TOKENS_BUCKETS = tuple(range(1, MAX_NUM_SPEC_TOKENS + 2))
+ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0,
+                             10.0, 12.0, 14.0, 17.0)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -63,7 +79,8 @@ class ServingMetrics:
     """All Prometheus series of one served model, in a registry of its own."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 max_model_len: int = 131072) -> None:
+                 max_model_len: int = 131072, spec_methods: Iterable[str] = ()) -> None:
+        """``spec_methods``: speculative methods the engine serves, exported as zeros from the first scrape."""
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         reg = self.registry
@@ -114,6 +131,36 @@ class ServingMetrics:
         self._request_generation_tokens = Histogram(
             "specserve_request_generation_tokens", "Output length of finished requests, in tokens.",
             labels, buckets=token_buckets, registry=reg).labels(model_name)
+        self._init_spec_series(labels + ["method"], spec_methods)
+
+    def _init_spec_series(self, labels: list[str], methods: Iterable[str]) -> None:
+        reg = self.registry
+        self._spec_drafts = Counter(
+            "specserve_spec_decode_num_drafts", "Number of speculative drafts verified.",
+            labels, registry=reg)
+        self._spec_draft_tokens = Counter(
+            "specserve_spec_decode_num_draft_tokens", "Number of draft tokens proposed and verified.",
+            labels, registry=reg)
+        self._spec_accepted_tokens = Counter(
+            "specserve_spec_decode_num_accepted_tokens", "Number of draft tokens accepted.",
+            labels, registry=reg)
+        self._spec_accepted_per_pos = Counter(
+            "specserve_spec_decode_num_accepted_tokens_per_pos",
+            "Number of drafts whose token at this 0-based position was accepted.",
+            labels + ["position"], registry=reg)
+        self._spec_emitted_per_step = Histogram(
+            "specserve_spec_decode_emitted_tokens_per_step",
+            "Tokens one speculating request emitted in one step (accepted drafts + 1).",
+            labels, buckets=EMITTED_TOKENS_BUCKETS, registry=reg)
+        self._spec_acceptance_length = Histogram(
+            "specserve_request_spec_mean_acceptance_length",
+            "Mean acceptance length (1 + accepted / drafts) of finished requests that drafted.",
+            labels, buckets=ACCEPTANCE_LENGTH_BUCKETS, registry=reg)
+        for method in methods:
+            if method != "none":
+                for series in (self._spec_drafts, self._spec_draft_tokens, self._spec_accepted_tokens,
+                               self._spec_emitted_per_step, self._spec_acceptance_length):
+                    series.labels(self.model_name, method)
 
     def record_step(self, stats: StepStats) -> None:
         """Update gauges and token counters after one engine step (engine loop thread)."""
@@ -126,6 +173,20 @@ class ServingMetrics:
             self._generation_tokens.inc(stats.num_generation_tokens)
         if stats.num_preemptions:
             self._preemptions.inc(stats.num_preemptions)
+        for method, counters in stats.spec.items():
+            self._record_drafts(method, counters)
+        for method, emitted in stats.spec_emitted_per_step.items():
+            histogram = self._spec_emitted_per_step.labels(self.model_name, method)
+            for num_tokens in emitted:
+                histogram.observe(num_tokens)
+
+    def _record_drafts(self, method: str, counters: SpecCounters) -> None:
+        """Add one step's verified drafts of ``method``."""
+        self._spec_drafts.labels(self.model_name, method).inc(counters.num_drafts)
+        self._spec_draft_tokens.labels(self.model_name, method).inc(counters.num_draft_tokens)
+        self._spec_accepted_tokens.labels(self.model_name, method).inc(counters.num_accepted_tokens)
+        for position, num_accepted in enumerate(counters.accepted_per_pos):
+            self._spec_accepted_per_pos.labels(self.model_name, method, str(position)).inc(num_accepted)
 
     def record_request(self, stats: RequestStats) -> None:
         """Count one finished request and observe its latencies and lengths (engine loop thread)."""
@@ -138,6 +199,9 @@ class ServingMetrics:
             self._tpot.observe(stats.time_per_output_token)
         self._request_prompt_tokens.observe(stats.num_prompt_tokens)
         self._request_generation_tokens.observe(stats.num_generation_tokens)
+        acceptance_length = stats.spec.mean_acceptance_length
+        if stats.spec_method != "none" and acceptance_length is not None:
+            self._spec_acceptance_length.labels(self.model_name, stats.spec_method).observe(acceptance_length)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every series: (body, content type)."""

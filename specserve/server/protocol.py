@@ -6,9 +6,13 @@ top-level field. The server answers every validation failure with HTTP 400 (what
 FastAPI's default 422.
 
 Supported subset: one choice (``n == 1``), no logprobs, no penalties other than 0, text content parts only.
-``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM; ``speculative`` is
-accepted and stored for the speculative-decoding policy. Unknown fields are ignored, as OpenAI-compatible
-servers usually do.
+``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM. Unknown fields are ignored, as
+OpenAI-compatible servers usually do.
+
+``speculative`` (OpenAI clients send it through ``extra_body``) overrides the server's speculative decoding for
+one request: ``"off"``, or ``{"method": ..., "num_spec_tokens": ...}`` with either key optional (a missing one
+keeps the server's default) and no other keys. Responses then report how speculation went in
+``usage.speculative`` (``SpeculativeUsage``), absent when the request did not speculate.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from specserve.config import MAX_NUM_SPEC_TOKENS, SPEC_METHODS
+from specserve.spec.params import SpecCounters
 
 MAX_STOP_SEQUENCES = 4
 
@@ -81,6 +88,25 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+class SpeculativeOptions(BaseModel):
+    """A request's override of speculative decoding; ``None`` fields keep the server's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = None  # one of config.SPEC_METHODS; "none" turns speculation off
+    num_spec_tokens: int | None = Field(default=None, ge=0, le=MAX_NUM_SPEC_TOKENS)
+
+    @field_validator("method")
+    @classmethod
+    def _check_method(cls, v: str | None) -> str | None:
+        if v is not None and v not in SPEC_METHODS:
+            raise ValueError(f"must be one of {', '.join(SPEC_METHODS)}")
+        return v
+
+
+SPECULATIVE_OFF = "off"
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by chat completions and completions."""
 
@@ -102,14 +128,22 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    # Speculative-decoding hints for this request (method name or options); stored, given meaning later.
-    speculative: dict[str, Any] | str | None = None
+    speculative: SpeculativeOptions | None = None  # "off" arrives as method "none"
 
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, v: int | None) -> int | None:
         if v is not None and v < -1:
             raise ValueError("must be -1 (disabled), 0 (disabled) or a positive integer")
+        return v
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _check_speculative(cls, v: Any) -> Any:
+        if v == SPECULATIVE_OFF:
+            return {"method": "none"}
+        if isinstance(v, str):
+            raise ValueError(f'must be "{SPECULATIVE_OFF}" or an object with "method" and/or "num_spec_tokens"')
         return v
 
     @field_validator("stop")
@@ -289,10 +323,45 @@ def parse_request(model: type[_SamplingRequest], body: bytes) -> Any:
 # -------------------------------------------------------------------------------------------- responses
 
 
+class SpeculativeUsage(BaseModel):
+    """How one request's speculation went (vocabulary of ``spec/params.py``): ``num_drafts`` verified drafts of
+    ``draft_tokens`` tokens in all, ``accepted_tokens`` of them kept; ``acceptance_histogram[n]`` counts drafts
+    with exactly n tokens accepted, ``accepted_per_position[i]`` drafts whose token i was accepted."""
+
+    method: str
+    draft_tokens: int
+    accepted_tokens: int
+    num_drafts: int
+    acceptance_rate: float | None  # accepted_tokens / draft_tokens; None before the first draft
+    mean_acceptance_length: float | None  # 1 + accepted_tokens / num_drafts; None before the first draft
+    acceptance_histogram: list[int]
+    accepted_per_position: list[int]
+
+    @classmethod
+    def from_counters(cls, method: str, counters: SpecCounters | None) -> SpeculativeUsage | None:
+        """The usage of a request that speculated with ``method``; None when it did not."""
+        if method == "none" or counters is None:
+            return None
+        return cls(method=method, draft_tokens=counters.num_draft_tokens,
+                   accepted_tokens=counters.num_accepted_tokens, num_drafts=counters.num_drafts,
+                   acceptance_rate=counters.acceptance_rate,
+                   mean_acceptance_length=counters.mean_acceptance_length,
+                   acceptance_histogram=list(counters.acceptance_histogram),
+                   accepted_per_position=list(counters.accepted_per_pos))
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    speculative: SpeculativeUsage | None = None  # left out of the JSON when the request did not speculate
+
+    @model_serializer(mode="wrap")
+    def _drop_missing_speculative(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("speculative") is None:
+            data.pop("speculative", None)
+        return data
 
 
 class ChatResponseMessage(BaseModel):

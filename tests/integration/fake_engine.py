@@ -1,13 +1,17 @@
 """A deterministic stand-in for ``AsyncEngine`` so the HTTP server can be tested without a model.
 
 Same surface as ``specserve.engine.async_engine.AsyncEngine`` (tokenizer, model_name, max_model_len, start,
-shutdown, generate, abort, kv_cache_usage) plus a few hooks for tests: a fake paged-KV block counter
+shutdown, resolve_spec, generate, abort, kv_cache_usage) plus a few hooks for tests: a fake paged-KV block counter
 (``used_blocks``; ``kv_cache_usage()`` reads it), ``num_aborted``, a per-step delay so streams are slow
 enough to disconnect from, and ``FAIL_MARKER``: a prompt containing it makes ``generate`` raise.
 
 Tokenizer: bytes are tokens (ids 0..255), plus BOS 256 and EOS 257. Output: a slice of a fixed text picked
 by the prompt, emitted 1..3 tokens per step (as speculative decoding would), ending with EOS after a
 prompt-dependent length unless ``ignore_eos``; stop strings and ``max_tokens`` end it as the real engine does.
+
+Speculation: off by default, "ngram" loaded (as on a real server started without ``--spec-method``). A request
+that speculates emits at most ``1 + num_spec_tokens`` tokens a step and counts each step after the first as
+one draft of ``num_spec_tokens`` tokens with all but one of its emitted tokens accepted.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from specserve.engine.stats import RequestStats, StepStats
 from specserve.sampling import SamplingParams
 from specserve.server.metrics import ServingMetrics
+from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
           "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. ")
@@ -36,6 +41,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    spec_method: str = "none"
+    spec_counters: SpecCounters | None = None
 
 
 class FakeTokenizer:
@@ -79,6 +86,8 @@ class FakeAsyncEngine:
         self._blocks: dict[str, int] = {}
         self._aborting: set[str] = set()
         self._started = False
+        self.spec_methods = ("ngram",)
+        self.default_num_spec_tokens = 3
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -98,6 +107,15 @@ class FakeAsyncEngine:
         if request_id in self._blocks:
             self._aborting.add(request_id)
 
+    def resolve_spec(self, method: str | None = None, num_spec_tokens: int | None = None) -> SpecParams:
+        """As ``LLMEngine.resolve_spec`` on a server whose default is off."""
+        if method is None or method == "none":
+            return SPEC_OFF
+        if method not in self.spec_methods:
+            raise ValueError(f"speculative.method: {method!r} is not loaded on this server")
+        k = self.default_num_spec_tokens if num_spec_tokens is None else num_spec_tokens
+        return SpecParams(method, k) if k > 0 else SPEC_OFF
+
     # -- generation ------------------------------------------------------------------------------------
 
     def _set_blocks(self, request_id: str, num_tokens: int) -> None:
@@ -105,14 +123,20 @@ class FakeAsyncEngine:
         self.used_blocks += blocks - self._blocks.get(request_id, 0)
         self._blocks[request_id] = blocks
 
-    def _record_step(self, num_prompt: int, num_generated: int) -> None:
-        if self.metrics is not None:
-            self.metrics.record_step(StepStats(
-                num_running=len(self._blocks), num_waiting=0, kv_cache_usage=self.kv_cache_usage(),
-                num_prompt_tokens=num_prompt, num_generation_tokens=num_generated, num_preemptions=0))
+    def _record_step(self, num_prompt: int, num_generated: int, spec: SpecParams = SPEC_OFF,
+                     drafts: SpecCounters | None = None) -> None:
+        if self.metrics is None:
+            return
+        stats = StepStats(num_running=len(self._blocks), num_waiting=0, kv_cache_usage=self.kv_cache_usage(),
+                          num_prompt_tokens=num_prompt, num_generation_tokens=num_generated, num_preemptions=0)
+        if spec.enabled and num_generated:
+            stats.spec_emitted_per_step[spec.method] = [num_generated]
+            if drafts is not None:
+                stats.spec[spec.method] = drafts
+        self.metrics.record_step(stats)
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       spec: SpecParams | None = None) -> AsyncIterator[RequestOutput]:
         if not self._started:
             raise RuntimeError("engine not started")
         if request_id in self._blocks:
@@ -128,6 +152,8 @@ class FakeAsyncEngine:
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         first_token_time: float | None = None
         finish_reason: str | None = None
+        spec = SPEC_OFF if spec is None else spec
+        counters = SpecCounters()
         self._set_blocks(request_id, len(prompt_ids))
         try:
             step = 0
@@ -135,10 +161,12 @@ class FakeAsyncEngine:
                 await asyncio.sleep(self.step_delay_s)
                 if request_id in self._aborting:
                     finish_reason = "abort"
-                    yield RequestOutput(request_id, [], "", True, "abort", len(prompt_ids), len(out_ids))
+                    yield RequestOutput(request_id, [], "", True, "abort", len(prompt_ids), len(out_ids),
+                                        spec.method, counters)
                     return
                 new_ids: list[int] = []
-                for _ in range(1 + step % 3):
+                max_new = 1 + min(step % 3, spec.num_spec_tokens) if spec.enabled else 1 + step % 3
+                for _ in range(max_new):
                     if len(out_ids) + len(new_ids) >= params.max_tokens:
                         break
                     n = len(out_ids) + len(new_ids)
@@ -149,7 +177,12 @@ class FakeAsyncEngine:
                 out_ids.extend(new_ids)
                 first_token_time = first_token_time or time.monotonic()
                 self._set_blocks(request_id, len(prompt_ids) + len(out_ids))
-                self._record_step(len(prompt_ids) if step == 0 else 0, len(new_ids))
+                drafts = None
+                if spec.enabled and step > 0:  # the first step prefills; later ones verify a draft
+                    drafts = SpecCounters()
+                    drafts.record(spec.num_spec_tokens, len(new_ids) - 1)
+                    counters.record(spec.num_spec_tokens, len(new_ids) - 1)
+                self._record_step(len(prompt_ids) if step == 0 else 0, len(new_ids), spec, drafts)
                 step += 1
 
                 text = self.tokenizer.decode(out_ids)
@@ -163,7 +196,7 @@ class FakeAsyncEngine:
                 end = len(text) if finish_reason else max(emitted_chars, len(text) - hold_back)
                 delta, emitted_chars = text[emitted_chars:end], end
                 yield RequestOutput(request_id, new_ids, delta, finish_reason is not None, finish_reason,
-                                    len(prompt_ids), len(out_ids))
+                                    len(prompt_ids), len(out_ids), spec.method, counters)
         finally:
             if finish_reason in (None, "abort"):
                 self.num_aborted += 1
@@ -178,4 +211,5 @@ class FakeAsyncEngine:
                     finish_reason=finish_reason or "abort", num_prompt_tokens=len(prompt_ids),
                     num_generation_tokens=len(out_ids), queue_time=0.0,
                     time_to_first_token=None if first_token_time is None else first_token_time - arrival,
-                    time_per_output_token=tpot, e2e_latency=now - arrival))
+                    time_per_output_token=tpot, e2e_latency=now - arrival, spec_method=spec.method,
+                    spec=counters))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from .conftest import MAX_REQUEST_BODY_BYTES, LiveServer
+from .conftest import MAX_REQUEST_BODY_BYTES, LiveServer, client, metric_value, wait_until
 from .fake_engine import FAIL_MARKER
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -23,36 +22,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 PROMPT = "The capital of France is"
 
 
-def client(server: LiveServer, **kwargs: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, **kwargs)
-
-
 def chat_prompt_len(server: LiveServer, messages: list[dict]) -> int:
     tok = server.engine.tokenizer
     return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
                           add_special_tokens=False))
-
-
-def wait_until(cond, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def metric_value(server: LiveServer, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    text = httpx.get(f"{server.base_url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        label_text, value = line[len(name) + 1:].rsplit("} ", 1)
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 # ---------------------------------------------------------------------------------------------- basics
@@ -150,11 +123,16 @@ def test_stop_string_truncates(server: LiveServer) -> None:
 
 
 def test_speculative_field_accepted(server: LiveServer) -> None:
+    """Speculation is off by default; n-gram lookup is always loaded, so a request may turn it on."""
     c = client(server)
-    for spec in ({"method": "ngram", "num_spec_tokens": 3}, "eagle3", None):
-        resp = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=4,
+    for spec, speculates in (({"method": "ngram", "num_spec_tokens": 3}, True), ({"method": "ngram"}, True),
+                             ("off", False), ({"method": "none"}, False), ({"num_spec_tokens": 2}, False),
+                             (None, False)):
+        resp = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0,
                                     extra_body={"speculative": spec})
         assert resp.choices[0].text is not None
+        usage = resp.usage.model_dump()
+        assert (usage.get("speculative") is not None) == speculates, (spec, usage)
 
 
 # -------------------------------------------------------------------------------------------- streaming
@@ -248,6 +226,11 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (chat, {"messages": msgs, "stream": "yes"}, 400, "stream"),
         (chat, {"messages": msgs, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         (chat, {"messages": msgs, "speculative": 3}, 400, "speculative"),
+        (chat, {"messages": msgs, "speculative": "sometimes"}, 400, "speculative"),
+        (chat, {"messages": msgs, "speculative": {"method": "bogus"}}, 400, "speculative"),
+        (chat, {"messages": msgs, "speculative": {"method": "eagle3"}}, 400, "speculative"),
+        (chat, {"messages": msgs, "speculative": {"num_spec_tokens": 17}}, 400, "speculative"),
+        (chat, {"messages": msgs, "speculative": {"foo": 1}}, 400, "speculative"),
         (chat, {"messages": []}, 400, "messages"),
         (chat, {}, 400, "messages"),
         (chat, {"messages": "hi"}, 400, "messages"),
@@ -266,6 +249,7 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (comp, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
         (comp, {"prompt": "hi", "echo": True}, 400, "echo"),
         (comp, {"prompt": "hi", "n": 3}, 400, "n"),
+        (comp, {"prompt": "hi", "speculative": {"num_spec_tokens": -1}}, 400, "speculative"),
         (comp, {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ]
 

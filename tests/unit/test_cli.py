@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from specserve.cli import build_parser, engine_config_from_args
+from specserve.cli import build_parser, engine_config_from_args, main
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -44,3 +44,32 @@ def test_bad_config_values_name_the_field() -> None:
     args = build_parser().parse_args(["serve", "--max-num-seqs", "0"])
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine_config_from_args(args)
+
+
+def test_spec_flags_reach_the_engine_config() -> None:
+    args = build_parser().parse_args(["serve", "--spec-method", "draft", "--spec-model", "self",
+                                      "--num-spec-tokens", "5", "--ngram-min", "2", "--ngram-max", "3"])
+    spec = engine_config_from_args(args).speculative
+    assert (spec.method, spec.model, spec.num_spec_tokens, spec.ngram_min, spec.ngram_max) == ("draft", "self", 5, 2, 3)
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).speculative.method == "none"
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--spec-method", "eagle3"], "--spec-model"),  # eagle3 needs a head
+    (["--num-spec-tokens", "0"], "--num-spec-tokens"),
+    (["--num-spec-tokens", "17"], "--num-spec-tokens"),
+    (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+])
+def test_bad_config_values_are_argparse_errors_naming_the_flag(flags: list[str], flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: specserve serve" in err and f"error: argument {flag}: " in err
+
+
+def test_bad_spec_method_is_rejected_by_argparse(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--spec-method", "medusa"])
+    assert "--spec-method" in capsys.readouterr().err

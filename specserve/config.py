@@ -100,8 +100,10 @@ class SpecConfig:
     method: str = "none"
     model: str | None = None
     num_spec_tokens: int = 3
-    ngram_min: int = 1  # shortest suffix n-gram the lookup will match
-    ngram_max: int = 4  # longest suffix n-gram tried first
+    # Shortest suffix n-gram the lookup will match: a 1- or 2-token match is often chance, and a rejected draft
+    # still costs a wider verify step (benchmarks/results/spec_cpu.json: min 3 / max 5 had the best AL and tok/s).
+    ngram_min: int = 3
+    ngram_max: int = 5  # longest suffix n-gram tried first
 
     def __post_init__(self) -> None:
         _require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}")

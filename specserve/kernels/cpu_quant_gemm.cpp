@@ -9,8 +9,9 @@
 //   y[r,n] = sum_g d[n,g] * (x[r, g] . q[n, g]) + m[n,g] * xsum[r,g]
 // so a group's integer codes are converted to float once and FMA'd against up to kRowTile rows of x; each row keeps
 // one 8-lane accumulator, scaled by d with one vector FMA per group, and is reduced horizontally once per output.
-// For Q4_1 with K <= 768 (SmolLM2's q|k|v, o, gate|up) rows go 8 at a time and the group's weights are scaled by d
-// before the FMAs instead (tile_scaled_avx2): four FMAs per (group, row) instead of five; 5-15% faster at M = 5..16.
+// For Q4_1 with K <= 768 (SmolLM2's q|k|v, o, gate|up) and more than 6 rows, rows go 8 at a time and the group's
+// weights are scaled by d before the FMAs instead (tile_scaled_avx2): four FMAs per (group, row) instead of five;
+// 5-15% faster at M = 7..16. Up to 6 rows (a speculative verify step at batch 1) form one tile_avx2 tile.
 //
 // Decoding is memory-bandwidth bound: a Q4_1 group is 16 + 8 bytes for 32 weights (0.75 B/weight) against 4 B/weight
 // for fp32, so the kernel only has to unpack faster than memory delivers; work is split over N with at::parallel_for
@@ -32,6 +33,7 @@ constexpr int64_t kBlock = 32;     // weights per GGUF block
 constexpr int64_t kRowTile = 4;    // rows of x sharing one unpacked group
 constexpr int64_t kWideRowTile = 8;  // ... for Q4_1 with K <= kWideTileMaxK: 8 rows of x (24 KiB) stay in L1
 constexpr int64_t kWideTileMaxK = 768;
+constexpr int64_t kSingleTileMaxRows = 6;  // up to this many rows of x form a single tile
 constexpr int64_t kMinWorkPerTask = 4096;  // (group, row) products per parallel task, below which threads cost more
 constexpr int64_t kCodeBlockBytes = 8192;  // weight bytes of the output rows computed together (L1-resident)
 
@@ -199,8 +201,8 @@ void tile(const float* x, const float* xsum, int64_t num_rows, int64_t num_group
   switch (num_rows) {
     case 8: return tile_scaled_avx2<Fmt, 8>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 7: return tile_scaled_avx2<Fmt, 7>(x, xsum, num_groups, q, d, m, y, y_stride);
-    case 6: return tile_scaled_avx2<Fmt, 6>(x, xsum, num_groups, q, d, m, y, y_stride);
-    case 5: return tile_scaled_avx2<Fmt, 5>(x, xsum, num_groups, q, d, m, y, y_stride);
+    case 6: return tile_avx2<Fmt, 6>(x, xsum, num_groups, q, d, m, y, y_stride);
+    case 5: return tile_avx2<Fmt, 5>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 4: return tile_avx2<Fmt, 4>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 3: return tile_avx2<Fmt, 3>(x, xsum, num_groups, q, d, m, y, y_stride);
     case 2: return tile_avx2<Fmt, 2>(x, xsum, num_groups, q, d, m, y, y_stride);
@@ -249,7 +251,11 @@ torch::Tensor quant_gemm(const torch::Tensor& x_in,  // [M, K] float32
   const int64_t block_n = std::max<int64_t>(1, kCodeBlockBytes / (G * (Fmt::kCodeBytes + 8)));
   // Q4_1 rows of x go 8 at a time when they fit in L1 (measured faster there); Q8_0 (unpacking is cheaper, the LM
   // head's codes are twice the bytes) and long K stay at 4.
-  const int64_t row_tile = Fmt::kHasMin && K <= kWideTileMaxK ? kWideRowTile : kRowTile;
+  // A verify step of one request (1 + num_spec_tokens rows, up to 6) goes in one tile whatever K (splitting it as
+  // 4 + 1 unpacked every group twice and ran the last row alone), through tile_avx2, whose per-group dot products
+  // are independent chains: tile_scaled_avx2's loop-carried accumulators made 5 rows cost like 8.
+  const int64_t row_tile =
+      M <= kSingleTileMaxRows ? M : (Fmt::kHasMin && K <= kWideTileMaxK ? kWideRowTile : kRowTile);
   at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t nb = n_begin; nb < n_end; nb += block_n) {
       const int64_t nb_end = std::min(n_end, nb + block_n);

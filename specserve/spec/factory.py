@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import MAX_NUM_SPEC_TOKENS, EngineConfig, ModelConfig
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer
 
@@ -16,8 +16,9 @@ def build_proposers(config: EngineConfig, target, target_config: ModelConfig, nu
                     device: torch.device) -> dict[str, Proposer]:
     spec = config.speculative
     proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
-    # Drafted positions live past the verified ones, so the drafter's cache gets a little headroom.
-    blocks_per_draft = -(-spec.num_spec_tokens // config.cache.block_size) + 1
+    # Drafted positions live past the verified ones, so the drafter's cache gets headroom for the longest draft a
+    # request may ask for.
+    blocks_per_draft = -(-MAX_NUM_SPEC_TOKENS // config.cache.block_size) + 1
     draft_blocks = num_blocks + config.scheduler.max_num_seqs * blocks_per_draft
     if spec.method == "draft":
         from specserve.spec.draft_model import DraftModelProposer

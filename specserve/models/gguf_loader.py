@@ -63,6 +63,16 @@ def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return d * q.float()
 
 
+def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    # blocks: [num_blocks, 22] = d (f16) | qh (4 bytes, little-endian: bit i is the 5th bit of element i) |
+    # 16 bytes of low nibbles as in Q4_0; value = d * (q - 16)
+    d = _f16(blocks[:, :2])
+    qh = blocks[:, 2:6].to(torch.int64)  # [num_blocks, 4]
+    high_bits = ((qh[:, :, None] >> torch.arange(8)) & 1).reshape(-1, 32)  # [num_blocks, 32] bit i of qh
+    low = _nibbles(blocks[:, None, 6:]).reshape(-1, 32).to(torch.int64)
+    return d * ((low | (high_bits << 4)) - 16).float()
+
+
 def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     # blocks: [num_blocks, 20] = d (f16) | m (f16) | 16 bytes; value = d * q + m
     d = _f16(blocks[:, :2])
@@ -132,6 +142,7 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 _BLOCK_DEQUANT = {
     Q.Q8_0: _dequant_q8_0,
     Q.Q4_0: _dequant_q4_0,
+    Q.Q5_0: _dequant_q5_0,
     Q.Q4_1: _dequant_q4_1,
     Q.Q4_K: _dequant_q4_k,
     Q.Q5_K: _dequant_q5_k,

@@ -15,6 +15,7 @@ Q = gguf.GGMLQuantizationType
 _F16_FIELDS = {
     Q.Q8_0: (0,),
     Q.Q4_0: (0,),
+    Q.Q5_0: (0,),
     Q.Q4_1: (0, 2),
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),

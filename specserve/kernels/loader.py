@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,25 @@ def cpu_has_avx2_fma() -> bool:
     except OSError:
         pass
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+# torch's extension builder takes ``<build_dir>/lock`` and waits for it forever; a process killed while holding it
+# (even one that only loaded a cached build) would hang every later start. No build takes this long.
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (its holder is gone); True if removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,7 @@ class CpuKernel:
         if cpu_has_avx2_fma():
             flags += ["-mavx2", "-mfma"]
         self.build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(self.build_dir)
         return load(name=self.module_name, sources=[str(KERNEL_DIR / self.source)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(self.build_dir), verbose=False)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
+from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import select_ops
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.shapes import shape_config
@@ -32,17 +33,22 @@ def build_model(config: ModelConfig, max_position: int, dtype: torch.dtype, devi
     return model.eval()
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+def init_random_weights(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Norm weights 1, biases 0, every other parameter N(0, 1 / fan_in), drawn from ``gen`` in parameter order."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if id(p) in norms:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
             else:
                 std = 1.0 / p.shape[-1] ** 0.5
                 p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    init_random_weights(model, torch.Generator(device="cpu").manual_seed(seed))
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve.config import ModelConfig
+from specserve.models.loader import init_random_weights
 from specserve.spec.eagle_head import EagleHead, EagleHeadConfig
 
 # transformers' class defaults, for keys a diff-serialised transformer_layer_config leaves out.
@@ -229,15 +230,8 @@ def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int
               "mask_token_id": target.vocab_size - 1 if parallel else None}
     config = EagleHeadConfig(layer=layer, **{**fields, **overrides})
     head = build_head(config, max_position, dtype, device)
+    init_random_weights(head, gen)
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight") or ".fc_norm." in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                std = 1.0 / p.shape[-1] ** 0.5
-                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
         selected = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
         head.d2t.copy_(selected - torch.arange(draft_vocab))
     return head

@@ -1,4 +1,4 @@
-"""Command line: ``specserve serve | fetch-model | convert``."""
+"""Command line: ``specserve serve | fetch-model | convert | bench``."""
 
 from __future__ import annotations
 
@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output directory")
     conv.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="stored dtype")
     conv.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards of this size")
+
+    from specserve.bench.cli import __doc__ as bench_doc
+    from specserve.bench.cli import add_bench_arguments
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (latency, throughput, acceptance, "
+                           "cost), or sweep specserve speculation settings", description=bench_doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench)
     return parser
 
 
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         convert_gguf_to_hf(src, args.out, dtype=getattr(torch, args.dtype), max_shard_bytes=args.max_shard_bytes)
         print(args.out)
         return 0
+    if args.command == "bench":
+        from specserve.bench.cli import main as bench_main
+        return bench_main(args, argv)
     if args.command == "serve":
         try:
             config = engine_config_from_args(args)

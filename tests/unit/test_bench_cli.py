@@ -21,6 +21,8 @@ def test_defaults_and_lists() -> None:
     assert [(p.concurrency, p.num_prompts, p.request_rate) for p in plans] == [(1, 16, 2.5), (8, 16, 2.5),
                                                                                 (32, 32, 2.5)]
     assert [p.num_prompts for p in _plans(bench_args("--concurrency", "1,2", "--num-prompts", "5"))] == [5, 5]
+    assert [(p.concurrency, p.request_rate) for p in _plans(bench_args())] == [(1, None)]
+    assert [(p.concurrency, p.request_rate) for p in _plans(bench_args("--request-rate", "3"))] == [(None, 3.0)]
     args = bench_args()
     assert args.base_url == "http://127.0.0.1:8000" and args.endpoint == "chat" and args.temperature == 0.0
     assert args.spec_methods == ["none", "ngram"] and args.spec_tokens == [2, 4] and not args.sweep

@@ -49,8 +49,8 @@ def test_speculation_that_stops_paying() -> None:
     assert rows[32]["p99_tpot_ratio"] == pytest.approx(0.300 / 0.250)
     tok = info["tok_s"]
     assert tok["pays_at"] == [1, 8] and tok["stops_paying_at"] == 32
-    # ratio 1.1 at c=8 and 120/140 at c=32: crosses 1 at log2 c = 3 + 2 * 0.1 / (0.1 + 20/140)
-    assert tok["crossover_concurrency"] == pytest.approx(2 ** (3 + 2 * 0.1 / (0.1 + 20 / 140)))
+    # ratio 1.1 at c=8 and 120/140 at c=32: crosses the 1.02 line at log2 c = 3 + 2 * 0.08 / (1.1 - 120/140)
+    assert tok["crossover_concurrency"] == pytest.approx(2 ** (3 + 2 * 0.08 / (1.1 - 120 / 140)))
     assert "stops paying at 32" in tok["summary"]
     assert info["p99_tpot"]["stops_paying_at"] == 32
 
@@ -71,3 +71,11 @@ def test_a_dip_that_recovers_is_not_the_inflection() -> None:
 
 def test_no_baseline_no_analysis() -> None:
     assert find_inflections([run("ngram", 2, {1: (1.0, 1.0)})]) == {}
+
+
+def test_break_even_within_the_margin_does_not_pay() -> None:
+    runs = [BASE, run("ngram", 4, {1: (50.0, 0.02), 8: (100.5, 0.0895), 32: (141.0, 0.249)})]
+    info = find_inflections(runs)["ngram"]
+    assert info["tok_s"]["pays_at"] == [1] and info["tok_s"]["stops_paying_at"] == 8
+    assert info["p99_tpot"]["stops_paying_at"] == 8
+    assert find_inflections(runs, margin=0.0)["ngram"]["tok_s"]["stops_paying_at"] is None

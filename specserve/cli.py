@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "cost), or sweep specserve speculation settings", description=bench_doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench)
+
+    from specserve.train.cli import add_train_arguments
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 or P-EAGLE draft head on the target's own answers",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_train_arguments(train)
+    train.set_defaults(error=train.error)
     return parser
 
 
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from specserve.bench.cli import main as bench_main
         return bench_main(args, argv)
+    if args.command == "train-draft":
+        from specserve.train.cli import main as train_main
+        return train_main(args)
     if args.command == "serve":
         try:
             config = engine_config_from_args(args)

@@ -132,3 +132,46 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"unsupported dtype {self.dtype!r}")
+
+
+@dataclass
+class TrainDraftConfig:
+    """``specserve train-draft``: data generation, draft vocabulary and the EAGLE-3 / P-EAGLE trainers."""
+
+    method: str = "eagle3"  # "eagle3" | "peagle"
+    num_layers: int = 1  # decoder layers of the head (P-EAGLE: 2 to 4)
+    draft_vocab_size: int = 16384
+    # data generation with the target
+    max_new_tokens: int = 512
+    max_turns: int = 3  # user turns regenerated per conversation
+    sampled_fraction: float = 0.25  # share of conversations answered at sampling_temperature (the rest greedy)
+    sampling_temperature: float = 0.7
+    held_out_fraction: float = 0.02
+    max_generate_seconds: float = 0.0  # 0: answer every prompt; else start no new group of prompts after this
+    # optimisation
+    epochs: float = 2.0
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    max_seq_len: int = 1024  # longer samples are cut
+    max_batch_tokens: int = 16384  # B * T of one batch
+    ttt_steps: int = 7  # EAGLE-3 training-time-test depth (draft positions trained)
+    step_weight_decay: float = 0.8  # loss weight of draft position s is decay ** s
+    num_spec_tokens: int = 7  # P-EAGLE slots trained (draft positions 1..num_spec_tokens)
+    anchors_per_seq: int = 128  # P-EAGLE: sampled anchor positions per sequence per pass
+    anchor_chunk: int = 64  # P-EAGLE: anchors per forward/backward (memory bound of long sequences)
+    checkpoint_every: int = 200
+    max_train_seconds: float = 0.0  # 0: run every epoch; else fit the step count (and LR schedule) to this
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.method in ("eagle3", "peagle"), "method", "must be eagle3 or peagle")
+        _require(self.num_layers >= 1, "num_layers", "must be at least 1")
+        _require(self.draft_vocab_size >= 1, "draft_vocab_size", "must be positive")
+        _require(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", "must be in [0, 1]")
+        _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
+        _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
+        _require(self.num_spec_tokens >= 1, "num_spec_tokens", "must be at least 1")
+        _require(self.max_seq_len >= 4 and self.max_batch_tokens >= self.max_seq_len, "max_batch_tokens",
+                 "must be at least max_seq_len (>= 4)")

@@ -1,0 +1,47 @@
+"""Arguments of ``specserve train-draft`` (defaults from ``TrainDraftConfig``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from specserve.config import TrainDraftConfig
+
+# TrainDraftConfig fields exposed as flags (the rest keep their defaults)
+_FLAGS = ("method", "num_layers", "draft_vocab_size", "max_new_tokens", "max_turns", "sampled_fraction",
+          "sampling_temperature", "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len",
+          "max_batch_tokens", "ttt_steps", "num_spec_tokens", "anchors_per_seq", "anchor_chunk", "checkpoint_every",
+          "max_generate_seconds", "max_train_seconds", "seed")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default", help="target model: 'default', a .gguf file or an HF directory")
+    p.add_argument("--prompts", nargs="+", default=[],
+                   help="prompt files or directories (ShareGPT, Alpaca, {prompt,completion} jsonl, plain text)")
+    p.add_argument("--out", required=True, help="output directory (head, checkpoint, data, report)")
+    p.add_argument("--data", default=None, help="reuse data_train.npz / data_held_out.npz from this directory")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="concurrent requests while generating data")
+    p.add_argument("--kv-cache-gib", type=float, default=8.0, help="KV cache while generating data")
+    defaults = TrainDraftConfig()
+    for f in fields(TrainDraftConfig):
+        if f.name in _FLAGS:
+            value = getattr(defaults, f.name)
+            kw = {"choices": ["eagle3", "peagle"]} if f.name == "method" else {}
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value, **kw)
+
+
+def main(args: argparse.Namespace) -> int:
+    from specserve.train.pipeline import train_draft
+
+    try:
+        cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS})
+    except ValueError as exc:
+        args.error(str(exc))
+    if not args.prompts and not args.data:
+        args.error("--prompts: give prompt files (or --data with generated samples)")
+    train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
+                args.max_model_len, args.max_num_seqs, args.kv_cache_gib)
+    return 0

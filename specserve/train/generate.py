@@ -1,0 +1,125 @@
+"""Training data for a draft head: the target answers every user turn itself, with our engine (continuous
+batching, paged KV), greedy for most conversations and sampled for a share of them. The head then learns
+to predict what the target will actually say (EAGLE-3, arXiv 2503.01840; Medusa, arXiv 2401.10774, calls
+this self-distillation).
+
+A conversation with three user turns gives three samples: round ``r`` renders the system prompt, the user
+turns ``0 .. r`` and the target's own answers to turns ``0 .. r - 1`` with the chat template, and the sample
+is ``prompt ids + answer ids``; only the answer is trained on (``num_prompt`` marks where it starts).
+
+Samples are stored flat (``save_samples``): one int32 array of every token, offsets, and prompt lengths.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specserve.sampling import SamplingParams
+from specserve.train.data import Conversation
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]  # prompt + generated answer
+    num_prompt: int  # tokens before the answer
+
+
+def _render(tokenizer, conv: Conversation, answers: list[str], turn: int) -> list[int]:
+    messages = [{"role": "system", "content": conv.system}] if conv.system else []
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": conv.user_turns[i]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tokens: int,
+               sampled_fraction: float, temperature: float, seed: int = 0, max_in_flight: int = 1024,
+               max_seconds: float | None = None, progress: bool = True) -> tuple[list[Sample], dict]:
+    """Answer every user turn of every conversation with ``engine``; returns (samples, stats). Conversation
+    ``i`` is sampled (seed ``seed + i``) when ``i`` falls in the first ``sampled_fraction`` of a seeded
+    permutation, greedy otherwise. Conversations go ``max_in_flight`` at a time, all their turns before the next
+    group; after ``max_seconds`` no new group starts (stats say how many were answered). Prompts that leave no
+    room for an answer are skipped (counted in stats)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(conversations))
+    sampled = set(order[:round(sampled_fraction * len(conversations))].tolist())
+    max_len = engine.config.scheduler.max_model_len
+    samples: list[Sample] = []
+    stats = {"conversations": len(conversations), "answered_conversations": 0, "samples": 0, "skipped_long": 0,
+             "generated_tokens": 0, "sampled_conversations": len(sampled), "seconds": 0.0}
+    start = time.perf_counter()
+    for group_start in range(0, len(conversations), max_in_flight):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+        group = list(range(group_start, min(group_start + max_in_flight, len(conversations))))
+        answers: dict[int, list[str]] = {i: [] for i in group}
+        alive = group
+        for turn in range(max(len(conversations[i].user_turns) for i in group)):
+            jobs = []  # (conversation index, prompt ids)
+            for i in alive:
+                conv = conversations[i]
+                if turn >= len(conv.user_turns):
+                    continue
+                ids = _render(tokenizer, conv, answers[i], turn)
+                if len(ids) + 16 > max_len:
+                    stats["skipped_long"] += 1
+                    continue
+                jobs.append((i, ids))
+            alive = [i for i, _ in jobs]
+            if not jobs:
+                break
+            params = [SamplingParams(max_tokens=min(max_new_tokens, max_len - len(ids)),
+                                     temperature=temperature if i in sampled else 0.0,
+                                     seed=seed + i if i in sampled else None) for i, ids in jobs]
+            reqs = _run(engine, [ids for _, ids in jobs], params, progress,
+                        f"conversations {group_start + 1}-{group[-1] + 1}/{len(conversations)} turn {turn + 1}")
+            for (i, ids), req in zip(jobs, reqs):
+                samples.append(Sample(list(ids) + list(req.output_ids), len(ids)))
+                answers[i].append(req.output_text)
+                stats["generated_tokens"] += len(req.output_ids)
+        stats["answered_conversations"] += len(group)
+    stats["samples"] = len(samples)
+    stats["seconds"] = time.perf_counter() - start
+    return samples, stats
+
+
+def _run(engine, prompts: list[list[int]], params: list[SamplingParams], progress: bool, label: str):
+    ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    reqs = []
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+        reqs.append(engine.requests[rid])
+    last = 0.0
+    t0 = time.perf_counter()
+    while any(not r.finished for r in reqs):
+        engine.step()
+        now = time.perf_counter()
+        if progress and now - last > 5:
+            done = sum(r.finished for r in reqs)
+            made = sum(len(r.output_ids) for r in reqs)
+            print(f"\rgenerate {label}: {done}/{len(reqs)} answers, {made} tokens, "
+                  f"{made / max(now - t0, 1e-9):.0f} tok/s", end="", file=sys.stderr, flush=True)
+            last = now
+    if progress:
+        print(file=sys.stderr)
+    return reqs
+
+
+def save_samples(samples: list[Sample], path: str | Path) -> None:
+    lengths = np.array([len(s.token_ids) for s in samples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.array([t for s in samples for t in s.token_ids], dtype=np.int32)
+    np.savez_compressed(path, tokens=tokens, offsets=offsets,
+                        num_prompt=np.array([s.num_prompt for s in samples], dtype=np.int64))
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    with np.load(path) as z:
+        tokens, offsets, num_prompt = z["tokens"], z["offsets"], z["num_prompt"]
+    return [Sample(tokens[offsets[i]:offsets[i + 1]].tolist(), int(num_prompt[i])) for i in range(len(num_prompt))]

@@ -1,0 +1,141 @@
+"""``specserve train-draft``: prompts -> the target's own answers -> draft vocabulary -> trained head ->
+speculators-format checkpoint, with a held-out acceptance estimate.
+
+    specserve train-draft --target default --method eagle3 --prompts ../shared/data/gsm8k/train.jsonl \\
+        --out heads/smollm2-eagle3
+
+Files written under ``--out``: ``data_train.npz`` / ``data_held_out.npz`` (the generated samples; pass
+``--data DIR`` to reuse them), ``checkpoint.pt`` (resumable), ``config.json`` + ``model*.safetensors``
+(the head), ``train_report.json`` (data, vocabulary coverage, loss curve, held-out estimate).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, TrainDraftConfig
+from specserve.train.data import expand_paths, read_conversations, split_held_out
+from specserve.train.generate import load_samples, regenerate, save_samples
+from specserve.train.trainer import Trainer
+from specserve.train.vocab import coverage, draft_vocab, token_counts
+
+
+def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path], device: torch.device,
+                  per_file_limit: int | None, max_model_len: int, max_num_seqs: int, kv_gib: float,
+                  progress: bool = True):
+    """(train samples, held-out samples, stats): held-out conversations are split off before generation."""
+    from specserve.engine.engine import LLMEngine
+
+    conversations = []
+    per_file = {}
+    for f in prompt_files:
+        convs = read_conversations(f, per_file_limit, cfg.max_turns, cfg.seed)
+        per_file[str(f)] = len(convs)
+        conversations += convs
+    random.Random(cfg.seed).shuffle(conversations)  # a time-bounded run keeps a mix of every file
+    train_convs, held_convs = split_held_out(conversations, cfg.held_out_fraction, cfg.seed)
+    model, model_config, tokenizer = target_parts
+    engine = LLMEngine(EngineConfig(device=str(device), cache=CacheConfig(kv_cache_memory_gib=kv_gib),
+                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                              max_num_batched_tokens=max(8192, max_model_len),
+                                                              max_model_len=max_model_len)),
+                       model, model_config, tokenizer)
+    stats = {"files": per_file}
+    budget = cfg.max_generate_seconds or None
+    held, stats["held_out"] = regenerate(engine, tokenizer, held_convs, cfg.max_new_tokens, 0.0, 0.0,
+                                         cfg.seed + 1, progress=progress)
+    train, stats["train"] = regenerate(engine, tokenizer, train_convs, cfg.max_new_tokens, cfg.sampled_fraction,
+                                       cfg.sampling_temperature, cfg.seed, max_in_flight=max_num_seqs * 4,
+                                       max_seconds=budget, progress=progress)
+    return train, held, stats
+
+
+def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.bfloat16,
+                max_shard_bytes: int = 48 << 20) -> list[str]:
+    """Write the head in the speculators format, in ``dtype``, split into shards of at most
+    ``max_shard_bytes`` (``model-0000k-of-0000n.safetensors`` + index) when larger."""
+    import copy
+
+    from specserve.spec.eagle_checkpoint import save_speculators
+
+    target_embed = head.target_embed
+    head.target_embed = None  # the target's table is not part of the head
+    try:
+        export = copy.deepcopy(head).to(dtype)
+    finally:
+        head.target_embed = target_embed
+    export.d2t = head.d2t.clone()
+    save_speculators(export, out_dir, verifier)
+    single = out_dir / "model.safetensors"
+    state = load_file(str(single))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if total <= max_shard_bytes:
+        return [single.name]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    single.unlink()
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name))
+        names.append(name)
+        weight_map.update({k: name for k in shard})
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,
+                data_dir: str | None = None, per_file_limit: int | None = None, max_model_len: int = 2048,
+                max_num_seqs: int = 256, kv_gib: float = 8.0, progress: bool = True) -> dict:
+    from specserve.models.loader import load_model
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device_name)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    t0 = time.perf_counter()
+    parts = load_model(target, dtype, device, max_model_len)
+    model, model_config, tokenizer = parts
+    report: dict = {"target": target, "config": asdict(cfg), "device": device_name,
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    src = Path(data_dir) if data_dir else out
+    if (src / "data_train.npz").exists():
+        train, held = load_samples(src / "data_train.npz"), load_samples(src / "data_held_out.npz")
+        report["data"] = {"reused": str(src)}
+    else:
+        train, held, report["data"] = generate_data(parts, cfg, expand_paths(prompts), device, per_file_limit,
+                                                    max_model_len, max_num_seqs, kv_gib, progress)
+        save_samples(train, out / "data_train.npz")
+        save_samples(held, out / "data_held_out.npz")
+    report["num_train_samples"], report["num_held_out_samples"] = len(train), len(held)
+    report["train_answer_tokens"] = sum(len(s.token_ids) - s.num_prompt for s in train)
+    counts = token_counts(train, model_config.vocab_size)
+    draft_ids = draft_vocab(counts, min(cfg.draft_vocab_size, model_config.vocab_size))
+    report["draft_vocab_coverage"] = coverage(counts, draft_ids)
+    trainer = Trainer(model, model_config, cfg, draft_ids, device, out, progress)
+    report["log"] = trainer.fit(train)
+    report["held_out"] = trainer.evaluate(held) if held else None
+    report["files"] = export_head(trainer.head, out, target)
+    report["seconds"] = time.perf_counter() - t0
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    if progress:
+        est = (report["held_out"] or {}).get("estimated_al", {})
+        print(f"trained {cfg.method} head -> {out}; held-out estimated AL "
+              + ", ".join(f"k={k}: {v:.2f}" for k, v in est.items()), file=sys.stderr)
+    return report

@@ -1,0 +1,467 @@
+"""EAGLE-3 and P-EAGLE head training on the target's own answers.
+
+EAGLE-3 (Li et al., arXiv 2503.01840) with training-time test: step 0 trains every head entry ``j`` (token
+``j + 1``, the target's fused features at ``j``) to predict token ``j + 2``; step ``s`` feeds the head its own
+output feature from step ``s - 1`` with the true token ``j + 1 + s`` at position ``j + s`` and trains it to
+predict token ``j + 2 + s``, attending exactly as at inference (``chain_attention.py``). True tokens are right:
+under chain verification draft ``s + 1`` only counts when drafts ``1 .. s`` were accepted, i.e. were the tokens.
+
+P-EAGLE (arXiv 2602.01469): the real entries train draft 1; for a sample of anchor positions ``j`` per
+sequence, slots ``1 .. k - 1`` take the learned mask token and the learned shared feature at positions
+``j + 1 ..`` and predict tokens ``j + 2 + s`` in the same forward. Anchors are processed ``anchor_chunk`` at a
+time (one forward/backward each, gradients accumulated) so memory stays bounded for long sequences.
+
+Labels are the target's distribution over the draft vocabulary at the predicted position (soft cross-entropy,
+renormalised over the draft vocabulary); accuracy is top-1 agreement with the target's argmax.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.config import ModelConfig, TrainDraftConfig
+from specserve.layers.ops import TorchOps
+from specserve.spec.eagle_checkpoint import build_head, default_aux_layer_ids
+from specserve.spec.eagle_head import EagleHead, EagleHeadConfig
+from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, layer_states
+from specserve.train.generate import Sample
+
+
+class TrainOps(TorchOps):
+    """``TorchOps`` safe for autograd: the residual is still updated in place (callers rely on it), but the
+    norm reads a copy, so the tensor autograd saved is never modified afterwards."""
+
+    @classmethod
+    def fused_add_rms_norm(cls, x, residual, weight, eps):
+        residual.add_(x)
+        return cls.rms_norm(residual.clone(), weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch.Tensor, max_position: int,
+             device: torch.device, target_lm_head: torch.Tensor, target_embed: torch.Tensor,
+             gen: torch.Generator) -> EagleHead:
+    """A head shaped for the target: ``cfg.num_layers`` Llama layers of the target's width, the draft vocabulary
+    ``draft_ids``; lm_head rows start from the target's LM head rows of those ids, P-EAGLE's embedding from
+    the target's (only the mask token's row is trained), the mask feature from zero."""
+    t = target_config
+    layer = ModelConfig(architecture="llama", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                        intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
+                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+                        rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
+                        name="eagle-head")
+    parallel = cfg.method == "peagle"
+    hc = EagleHeadConfig(layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=len(draft_ids),
+                         aux_layer_ids=_aux_layer_ids(t.num_hidden_layers), has_embedding=parallel,
+                         parallel=parallel, mask_token_id=_mask_token_id(t) if parallel else None,
+                         num_spec_tokens=cfg.num_spec_tokens if parallel else 5)
+    head = build_head(hc, max_position, torch.float32, device)
+    from specserve.models.loader import init_random_weights
+    init_random_weights(head, gen)
+    with torch.no_grad():
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.lm_head.weight.copy_(target_lm_head[draft_ids.to(target_lm_head.device)].float())
+        if head.embed_tokens is not None:
+            head.embed_tokens.weight.copy_(target_embed.float())
+            learned = torch.zeros(t.vocab_size, 1, device=device)
+            learned[hc.mask_token_id] = 1
+            head.embed_tokens.weight.register_hook(lambda g: g * learned)  # only the mask row learns
+        if head.mask_hidden is not None:
+            head.mask_hidden.zero_()
+    head.set_ops(TrainOps())
+    return head.train()
+
+
+def _aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """Low, mid, high target features (EAGLE-3's choice); a target under 4 layers takes (0, L // 2, L)."""
+    return default_aux_layer_ids(num_layers) if num_layers >= 4 else (0, num_layers // 2, num_layers)
+
+
+def _mask_token_id(t: ModelConfig) -> int:
+    return t.vocab_size - 1  # a reserved slot at the end of the vocabulary; its row is learned
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64, padded with 0
+    answer: torch.Tensor  # [B, T] bool: position holds a generated token (the ones trained on)
+
+
+def make_batches(samples: list[Sample], max_seq_len: int, max_batch_tokens: int, seed: int) -> list[list[int]]:
+    """Indices of samples grouped by similar length so that ``B * T <= max_batch_tokens``; shuffled."""
+    order = sorted(range(len(samples)), key=lambda i: min(len(samples[i].token_ids), max_seq_len))
+    batches, cur, cur_t = [], [], 0
+    for i in order:
+        t = min(len(samples[i].token_ids), max_seq_len)
+        if cur and max(cur_t, t) * (len(cur) + 1) > max_batch_tokens:
+            batches.append(cur)
+            cur, cur_t = [], 0
+        cur.append(i)
+        cur_t = max(cur_t, t)
+    if cur:
+        batches.append(cur)
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate(samples: list[Sample], max_seq_len: int, device: torch.device) -> Batch:
+    T = min(max(len(s.token_ids) for s in samples), max_seq_len)
+    tokens = torch.zeros(len(samples), T, dtype=torch.int64)
+    answer = torch.zeros(len(samples), T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        ids = s.token_ids[:T]
+        tokens[b, :len(ids)] = torch.tensor(ids)
+        answer[b, s.num_prompt:len(ids)] = True
+    return Batch(tokens.to(device), answer.to(device))
+
+
+def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """``out[:, j] = x[:, j + n]`` (``fill`` past the end); x is [B, T, ...]."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- target
+
+
+@dataclass
+class TargetOut:
+    features: torch.Tensor  # [B, T, n_aux * hidden] target layer inputs (aux_layer_ids)
+    probs: torch.Tensor  # [B, T, draft_vocab] target distribution after position t, over the draft vocabulary
+    argmax: torch.Tensor  # [B, T] draft index of the target's argmax after position t; -1 outside the vocab
+
+
+@torch.no_grad()
+def target_outputs(target, tokens: torch.Tensor, aux_layer_ids: tuple[int, ...], draft_ids: torch.Tensor,
+                   t2d_index: torch.Tensor, chunk_rows: int = 4096) -> TargetOut:
+    """One causal target forward over the batch: its aux features and its next-token distribution."""
+    B, T = tokens.shape
+    n = B * T
+    backend = ChainAttentionBackend()
+    pos = torch.arange(T, device=tokens.device).repeat(B)
+    hidden, aux = target(tokens.reshape(n), pos, layer_states(len(target.layers)), ChainMeta(B, T, real=True),
+                         backend, aux_layer_ids)
+    features = torch.cat(aux, dim=-1).reshape(B, T, -1)
+    probs, arg = [], []
+    for r in range(0, n, chunk_rows):
+        logits = target.compute_logits(hidden[r:r + chunk_rows]).float()  # [rows, vocab]
+        probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
+        arg.append(t2d_index[logits.argmax(dim=-1)])
+    return TargetOut(features, torch.cat(probs).reshape(B, T, -1), torch.cat(arg).reshape(B, T))
+
+
+# ---------------------------------------------------------------------------------------------- losses
+
+
+def _soft_ce(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over ``mask`` rows of ``-sum probs * log_softmax(logits)``; logits/probs [..., V], mask [...]."""
+    loss = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    correct: list[int]  # per draft position
+    count: list[int]
+
+
+def eagle3_loss(head: EagleHead, tgt: TargetOut, batch: Batch, steps: int, decay: float,
+                run_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+    """Training-time test over ``steps`` draft positions. With ``run_lengths`` ([B, T] int64, zeros), also
+    records for every anchor how many leading draft positions matched the target's argmax (held-out AL)."""
+    tokens = batch.tokens
+    B, T = tokens.shape
+    n = B * T
+    dev = tokens.device
+    backend = ChainAttentionBackend()
+    states = layer_states(len(head.layers))
+    j = torch.arange(T, device=dev)
+    anchors = j.expand(B, T)
+    hidden = head.fuse(tgt.features.reshape(n, -1))
+    total = torch.zeros((), device=dev)
+    stats = StepStats(0.0, [], [])
+    alive = torch.ones(B, T, dtype=torch.bool, device=dev)
+    for s in range(steps):
+        ids = _shift(tokens, 1 + s).reshape(n)
+        pos = (j + s).repeat(B)
+        meta = ChainMeta(B, T, real=True) if s == 0 else ChainMeta(B, T, real=False, anchors=anchors, num_slots=1)
+        normed, fed = head(ids, hidden, pos, states, meta, backend)
+        logits = head.lm_head(normed).reshape(B, T, -1)
+        probs = _shift(tgt.probs, 1 + s)
+        mask = _shift(batch.answer, 2 + s, False)  # the predicted token (j + 2 + s) is a generated one
+        total = total + (decay ** s) * _soft_ce(logits, probs, mask.float())
+        target_arg = _shift(tgt.argmax, 1 + s, -1)
+        hit = (logits.argmax(-1) == target_arg) & mask
+        stats.correct.append(int(hit.sum()))
+        stats.count.append(int(mask.sum()))
+        if run_lengths is not None:
+            alive = alive & hit
+            run_lengths += alive.long()
+        hidden = fed
+    stats.loss = float(total.detach())
+    return total, stats
+
+
+def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, decay: float,
+                anchors: torch.Tensor, real_loss: bool) -> tuple[torch.Tensor, StepStats]:
+    """Real entries (draft 1, when ``real_loss``) plus ``num_slots - 1`` mask slots after every anchor
+    (``anchors`` [B, A] int64; -1 = padding) in one forward."""
+    tokens = batch.tokens
+    B, T = tokens.shape
+    n = B * T
+    dev = tokens.device
+    A, S = anchors.shape[1], num_slots - 1
+    backend = ChainAttentionBackend()
+    states = layer_states(len(head.layers))
+    j = torch.arange(T, device=dev)
+    real_ids = _shift(tokens, 1).reshape(n)
+    real_hidden = head.fuse(tgt.features.reshape(n, -1))
+    valid_anchor = anchors >= 0
+    anc = anchors.clamp(min=0)
+    slot = torch.arange(1, S + 1, device=dev)
+    mask_feature = head.fuse(head.mask_hidden[None, :]).expand(B * A * S, -1)
+    mask_ids = torch.full((B * A * S,), head.config.mask_token_id, dtype=torch.int64, device=dev)
+    chain_pos = (anc[:, :, None] + slot).reshape(-1)
+    meta = ChainMeta(B, T, real=True, anchors=anc, num_slots=S)
+    normed, _ = head(torch.cat([real_ids, mask_ids]), torch.cat([real_hidden, mask_feature]),
+                     torch.cat([j.repeat(B), chain_pos]), states, meta, backend)
+    logits = head.lm_head(normed)
+    stats = StepStats(0.0, [], [])
+    total = torch.zeros((), device=dev)
+    real_logits = logits[:n].reshape(B, T, -1)
+    real_mask = _shift(batch.answer, 2, False)
+    if real_loss:
+        total = total + _soft_ce(real_logits, _shift(tgt.probs, 1), real_mask.float())
+    hit = (real_logits.argmax(-1) == _shift(tgt.argmax, 1, -1)) & real_mask
+    stats.correct.append(int(hit.sum()))
+    stats.count.append(int(real_mask.sum()))
+    chain_logits = logits[n:].reshape(B, A, S, -1)
+    b_idx = torch.arange(B, device=dev)[:, None, None]
+    label_row = (anc[:, :, None] + 1 + slot).clamp(max=T - 1)  # [B, A, S] row of the target's distribution
+    tok_row = anc[:, :, None] + 2 + slot  # the predicted token's position
+    in_range = tok_row < T
+    chain_mask = valid_anchor[:, :, None] & in_range & batch.answer[b_idx, tok_row.clamp(max=T - 1)]
+    for s in range(S):
+        m = chain_mask[:, :, s]
+        probs = tgt.probs[b_idx[:, :, 0], label_row[:, :, s]]  # [B, A, V]
+        total = total + (decay ** (s + 1)) * _soft_ce(chain_logits[:, :, s], probs, m.float())
+        arg = tgt.argmax[b_idx[:, :, 0], label_row[:, :, s]]
+        hit = (chain_logits[:, :, s].argmax(-1) == arg) & m
+        stats.correct.append(int(hit.sum()))
+        stats.count.append(int(m.sum()))
+    stats.loss = float(total.detach())
+    return total, stats
+
+
+def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> torch.Tensor:  # [B, count] int64, -1 pad
+    """Up to ``count`` anchor positions per sequence, uniformly among those whose first chain slot predicts a
+    generated token."""
+    B, T = batch.tokens.shape
+    ok = _shift(batch.answer, 3, False).cpu()  # slot 1 of anchor j predicts token j + 3
+    out = torch.full((B, count), -1, dtype=torch.int64)
+    for b in range(B):
+        cand = ok[b].nonzero().flatten()
+        if len(cand):
+            pick = cand[torch.randperm(len(cand), generator=gen)[:count]]
+            out[b, :len(pick)] = pick.sort().values
+    return out.to(batch.tokens.device)
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+
+class Progress:
+    """One stderr line: step, loss, accuracy per draft position, tokens/s."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.enabled, self.t0, self.last = total, enabled, time.perf_counter(), 0.0
+
+    def update(self, step: int, loss: float, acc: list[float], force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 2 and not force):
+            return
+        self.last = now
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        accs = " ".join(f"{a:.2f}" for a in acc)
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.3f} acc/pos {accs} "
+              f"{now - self.t0:.0f}s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def _lr_at(step: int, total: int, cfg: TrainDraftConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+class Trainer:
+    def __init__(self, target, target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch.Tensor,
+                 device: torch.device, out_dir: Path, progress: bool = True) -> None:
+        self.target, self.cfg, self.device, self.out_dir = target, cfg, device, Path(out_dir)
+        self.draft_ids = draft_ids.to(device)
+        self.t2d_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64, device=device)
+        self.t2d_index[self.draft_ids] = torch.arange(len(draft_ids), device=device)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        lm = target.lm_head.weight if target.lm_head is not None else target.embed_tokens.weight
+        self.head = new_head(target_config, cfg, draft_ids, cfg.max_seq_len + cfg.num_spec_tokens + cfg.ttt_steps
+                             + 2, device, lm.detach(), target.embed_tokens.weight.detach(), self.gen)
+        target.requires_grad_(False)
+        if self.head.embed_tokens is None:
+            self.head.target_embed = target.embed_tokens  # a submodule now: kept out of the optimiser and saves
+        self.params = [p for name, p in self.head.named_parameters() if not name.startswith("target_embed.")]
+        params = self.params
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.step = 0
+        self.progress = progress
+        self.autocast = device.type == "cuda"
+
+    # -- one batch
+    def _loss(self, batch: Batch, train: bool, run_lengths=None) -> tuple[list[torch.Tensor], StepStats]:
+        cfg = self.cfg
+        tgt = target_outputs(self.target, batch.tokens, self.head.config.aux_layer_ids, self.draft_ids,
+                             self.t2d_index)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if cfg.method == "eagle3":
+                loss, stats = eagle3_loss(self.head, tgt, batch, cfg.ttt_steps, cfg.step_weight_decay,
+                                          run_lengths)
+                if train:
+                    loss.backward()
+                return [loss], stats
+            anchors = sample_anchors(batch, cfg.anchors_per_seq, self.gen)
+            losses, merged = [], None
+            for c, start in enumerate(range(0, anchors.shape[1], cfg.anchor_chunk)):
+                loss, stats = peagle_loss(self.head, tgt, batch, cfg.num_spec_tokens, cfg.step_weight_decay,
+                                          anchors[:, start:start + cfg.anchor_chunk], real_loss=c == 0)
+                if train:
+                    loss.backward()
+                losses.append(loss.detach())
+                if merged is None:
+                    merged = stats
+                else:  # the real entries (position 1) were counted by the first chunk
+                    merged.correct[1:] = [a + b for a, b in zip(merged.correct[1:], stats.correct[1:])]
+                    merged.count[1:] = [a + b for a, b in zip(merged.count[1:], stats.count[1:])]
+            merged.loss = float(sum(losses))
+            return losses, merged
+
+    def fit(self, samples: list[Sample]) -> list[dict]:
+        cfg = self.cfg
+        batches = make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed)
+        total = planned = max(1, int(cfg.epochs * len(batches)))
+        self._maybe_resume()
+        started, start_step = time.perf_counter(), self.step
+        bar = Progress(total, self.progress)
+        log: list[dict] = []
+        correct = count = None
+        while self.step < total:
+            epoch, idx = divmod(self.step, len(batches))
+            order = make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed + epoch) if epoch else batches
+            batch = collate([samples[i] for i in order[idx]], cfg.max_seq_len, self.device)
+            for group in self.opt.param_groups:
+                group["lr"] = _lr_at(self.step, total, cfg)
+            self.opt.zero_grad(set_to_none=True)
+            _, stats = self._loss(batch, train=True)
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            self.opt.step()
+            self.step += 1
+            done = self.step - start_step
+            if cfg.max_train_seconds and done == 5:
+                warm = time.perf_counter()  # the first steps pay for allocation and kernel selection
+            if cfg.max_train_seconds and done > 5:  # fit the step count (and the LR schedule) to the budget
+                now = time.perf_counter()
+                per_step = (now - warm) / (done - 5)
+                total = min(planned, self.step + max(0, int((cfg.max_train_seconds - (now - started)) / per_step)))
+                bar.total = total
+            correct = stats.correct if correct is None else [0.98 * a + b for a, b in zip(correct, stats.correct)]
+            count = stats.count if count is None else [0.98 * a + b for a, b in zip(count, stats.count)]
+            acc = [c / max(n, 1) for c, n in zip(correct, count)]
+            bar.update(self.step, stats.loss, acc, force=self.step == total)
+            if self.step % 50 == 0 or self.step == total:
+                log.append({"step": self.step, "loss": stats.loss, "acc_per_pos": acc})
+            if self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        return log
+
+    @torch.no_grad()
+    def evaluate(self, samples: list[Sample], max_k: int = 7) -> dict:
+        """Teacher-forced held-out estimate: per draft position accuracy, and the mean acceptance length a
+        greedy chain of ``k`` drafts would get (1 + E[min(leading matches, k)]) for k = 1..max_k (EAGLE-3's
+        sequential drafting; for P-EAGLE the slots' joint matches)."""
+        self.head.eval()
+        cfg = self.cfg
+        correct = count = None
+        runs_all = []
+        steps = max(max_k, cfg.ttt_steps if cfg.method == "eagle3" else cfg.num_spec_tokens)
+        for idx in make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed):
+            batch = collate([samples[i] for i in idx], cfg.max_seq_len, self.device)
+            tgt = target_outputs(self.target, batch.tokens, self.head.config.aux_layer_ids, self.draft_ids,
+                                 self.t2d_index)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                if cfg.method == "eagle3":
+                    runs = torch.zeros_like(batch.tokens)
+                    _, stats = eagle3_loss(self.head, tgt, batch, steps, cfg.step_weight_decay, runs)
+                    runs_all.append(runs[_shift(batch.answer, 2, False)])
+                else:
+                    anchors = sample_anchors(batch, cfg.anchors_per_seq, self.gen)
+                    _, stats = peagle_loss(self.head, tgt, batch, min(steps, cfg.num_spec_tokens),
+                                           cfg.step_weight_decay, anchors, real_loss=True)
+            correct = stats.correct if correct is None else [a + b for a, b in zip(correct, stats.correct)]
+            count = stats.count if count is None else [a + b for a, b in zip(count, stats.count)]
+        self.head.train()
+        acc = [c / max(n, 1) for c, n in zip(correct or [], count or [])]
+        result = {"acc_per_pos": acc, "count_per_pos": count}
+        if runs_all:
+            runs = torch.cat(runs_all).float()
+            result["estimated_al"] = {k: 1 + float(runs.clamp(max=k).mean()) for k in range(1, max_k + 1)}
+        else:  # P-EAGLE: the product of per-position accuracies bounds the chain (independence approximation)
+            est, p = {}, 1.0
+            for k in range(1, min(max_k, len(acc)) + 1):
+                p *= acc[k - 1]
+                est[k] = (est.get(k - 1, 1.0)) + p
+            result["estimated_al"] = est
+        return result
+
+    # -- checkpoints
+    def head_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.head.state_dict().items() if not k.startswith("target_embed.")}
+
+    def save_checkpoint(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": self.step, "head": self.head_state(), "opt": self.opt.state_dict(),
+                    "config": asdict(self.cfg), "gen": self.gen.get_state()},
+                   self.out_dir / "checkpoint.pt")
+
+    def _maybe_resume(self) -> None:
+        path = self.out_dir / "checkpoint.pt"
+        if not path.exists():
+            return
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.head.load_state_dict(state["head"], strict=False)
+        self.opt.load_state_dict(state["opt"])
+        self.gen.set_state(state["gen"])
+        self.step = int(state["step"])
+        if self.progress:
+            print(f"resumed from {path} at step {self.step}", file=sys.stderr)

@@ -1,0 +1,57 @@
+"""Draft-head training data from the real default model (SmolLM2-135M-Instruct, fp32 CPU): the target answers
+every user turn itself, multi-turn conversations see their own earlier answers, greedy answers equal plain
+generation, sampled ones are reproducible, and the draft vocabulary is built from the answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.engine.engine import LLMEngine
+from specserve.sampling import SamplingParams
+from specserve.train.data import Conversation
+from specserve.train.generate import regenerate
+from specserve.train.vocab import draft_vocab, token_counts
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    from specserve.models.loader import load_model
+    parts = load_model("default", "float32", torch.device("cpu"), 1024)
+    return LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256),
+                                  scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=8)), *parts)
+
+
+CONVERSATIONS = [Conversation(["What is 2 + 3?", "And times 4?"], system="Answer briefly."),
+                 Conversation(["Name a colour."]), Conversation(["Say hello in French."])]
+
+
+def test_regenerated_answers_are_the_targets_own(engine) -> None:
+    tok = engine.tokenizer
+    samples, stats = regenerate(engine, tok, CONVERSATIONS, max_new_tokens=8, sampled_fraction=0.0,
+                                temperature=0.0, progress=False)
+    assert stats["samples"] == len(samples) == 4 and stats["generated_tokens"] > 0
+    # greedy answers are exactly what plain generation gives for the same rendered prompt
+    for s in samples:
+        prompt = s.token_ids[:s.num_prompt]
+        again = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].output_ids
+        assert s.token_ids[s.num_prompt:] == again
+    # the second turn's prompt holds the system prompt, both user turns and the target's first answer
+    turn2 = next(s for s in samples if "times 4" in tok.decode(s.token_ids[:s.num_prompt]))
+    first = next(s for s in samples if tok.decode(s.token_ids[:s.num_prompt]).rstrip().endswith(
+        tok.decode(tok.encode(tok.apply_chat_template([{"role": "system", "content": "Answer briefly."},
+                                                       {"role": "user", "content": "What is 2 + 3?"}])))
+        .rstrip()))
+    answer = tok.decode(first.token_ids[first.num_prompt:]).strip()
+    context = tok.decode(turn2.token_ids[:turn2.num_prompt])
+    assert "Answer briefly." in context and "What is 2 + 3?" in context and answer and answer in context
+    ids = draft_vocab(token_counts(samples, engine.model_config.vocab_size), 16)
+    answers = {t for s in samples for t in s.token_ids[s.num_prompt:]}
+    assert len(ids) == 16 and len(answers & set(ids.tolist())) == min(16, len(answers))
+
+
+def test_sampled_answers_are_reproducible(engine) -> None:
+    runs = [regenerate(engine, engine.tokenizer, CONVERSATIONS[1:], max_new_tokens=12, sampled_fraction=1.0,
+                       temperature=1.0, seed=7, progress=False)[0] for _ in range(2)]
+    assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]

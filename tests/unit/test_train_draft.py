@@ -1,0 +1,287 @@
+"""Draft-head training on tiny fp32 models: prompt formats, the draft vocabulary, the training attention
+against a causal recompute of what the head sees at inference, TTT drafts against the engine's own EAGLE-3
+proposer, loss going down, and export -> load giving identical drafts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.config import TrainDraftConfig
+from specserve.sampling import SamplingParams
+from specserve.spec.eagle3 import Eagle3Proposer
+from specserve.spec.eagle_checkpoint import load_eagle_head
+from specserve.spec.peagle import PEagleProposer
+from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, layer_states
+from specserve.train.data import conversation_from_record, read_conversations, split_held_out
+from specserve.train.generate import Sample, load_samples, save_samples
+from specserve.train.pipeline import export_head
+from specserve.train.trainer import Trainer, _shift, collate, target_outputs
+from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, token_counts
+from tests.tiny import prompts, tiny_engine
+
+VOCAB = 97
+
+
+def tiny_trainer(method: str, tmp_path, num_layers: int = 1, seed: int = 0, **cfg) -> tuple[Trainer, object]:
+    engine = tiny_engine(seed=seed)
+    draft_ids = torch.arange(0, VOCAB, 2)  # every other id: the d2t mapping is exercised
+    config = TrainDraftConfig(method=method, num_layers=num_layers, draft_vocab_size=len(draft_ids),
+                              max_seq_len=64, max_batch_tokens=256, warmup_steps=1, lr=3e-3, ttt_steps=4,
+                              num_spec_tokens=4, anchors_per_seq=16, anchor_chunk=8, seed=seed, **cfg)
+    trainer = Trainer(engine.runner.model, engine.model_config, config, draft_ids, torch.device("cpu"), tmp_path,
+                      progress=False)
+    with torch.no_grad():  # a random head drafts near-uniformly; sharpen it so argmaxes are not near-ties
+        trainer.head.lm_head.weight.mul_(8.0)
+    return trainer, engine
+
+
+def greedy_samples(engine, n: int, prompt_len: int = 12, answer: int = 20) -> list[Sample]:
+    ps = prompts([prompt_len + i for i in range(n)], seed=3)
+    reqs = engine.generate(ps, SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True))
+    return [Sample(p + r.output_ids, len(p)) for p, r in zip(ps, reqs)]
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_every_prompt_format_is_read(tmp_path) -> None:
+    (tmp_path / "share.json").write_text(json.dumps([
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                           {"from": "gpt", "value": "hello"}, {"from": "human", "value": "and?"}]},
+        {"conversations": [{"from": "gpt", "value": "only an answer"}]}]))
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "Add.", "input": "2 and 3", "output": "5"},
+                                                      {"instruction": "Say hi.", "input": "", "output": "hi"}]))
+    (tmp_path / "pc.jsonl").write_text('{"prompt": "p1", "completion": "c1"}\n{"question": "q?", "answer": "a"}\n')
+    (tmp_path / "plain.txt").write_text("first line\n\n  second line \n")
+    share = read_conversations(tmp_path / "share.json")
+    assert [(c.system, c.user_turns) for c in share] == [("be brief", ["hi", "and?"])]
+    assert [c.user_turns for c in read_conversations(tmp_path / "alpaca.json")] == [["Add.\n\n2 and 3"], ["Say hi."]]
+    assert [c.user_turns for c in read_conversations(tmp_path / "pc.jsonl")] == [["p1"], ["q?"]]
+    assert [c.user_turns for c in read_conversations(tmp_path / "plain.txt")] == [["first line"], ["second line"]]
+    assert read_conversations(tmp_path / "share.json", max_turns=1)[0].user_turns == ["hi"]
+    assert conversation_from_record({"messages": [{"role": "user", "content": "x"}]}).user_turns == ["x"]
+    assert conversation_from_record({"unrelated": 1}) is None
+
+
+def test_evaluation_sets_are_refused(tmp_path) -> None:
+    path = tmp_path / "mt_bench" / "question.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="evaluation set"):
+        read_conversations(path)
+
+
+def test_held_out_split_is_disjoint_and_seeded() -> None:
+    items = list(range(50))
+    train, held = split_held_out(items, 0.1, seed=1)
+    assert sorted(train + held) == items and len(held) == 5
+    assert split_held_out(items, 0.1, seed=1) == (train, held)
+
+
+def test_samples_round_trip(tmp_path) -> None:
+    samples = [Sample([1, 2, 3, 4], 2), Sample([5, 6], 1)]
+    save_samples(samples, tmp_path / "d.npz")
+    assert load_samples(tmp_path / "d.npz") == samples
+
+
+def test_draft_vocabulary_keeps_the_most_generated_tokens() -> None:
+    samples = [Sample([90, 91, 5, 5, 5, 7, 7, 3], 2), Sample([90, 7, 9], 1)]  # prompts (90, 91) do not count
+    counts = token_counts(samples, VOCAB)
+    assert counts[5] == 3 and counts[7] == 3 and counts[90] == 0
+    ids = draft_vocab(counts, 3)
+    assert ids.tolist() == [3, 5, 7]  # 5 and 7 (3 each), then 3 and 9 tie at 1: the lower id wins
+    d2t, t2d = d2t_t2d(ids, VOCAB)
+    assert (torch.arange(3) + d2t).tolist() == ids.tolist()
+    assert t2d.nonzero().flatten().tolist() == ids.tolist()
+    assert coverage(counts, ids) == pytest.approx(7 / 8)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        draft_vocab(counts, VOCAB + 1)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def _causal_reference(head, feats, tokens, anchor: int, slots: list[tuple[int, torch.Tensor]]):
+    """What the head computes at inference for anchor ``anchor``: entries 0..anchor plus the given chain slots
+    (token, input feature), one causal sequence; returns the normed output of the last row."""
+    hidden = head.fuse(feats[:anchor + 1])
+    ids = tokens[1:anchor + 2].tolist()
+    for tok, h in slots:
+        hidden = torch.cat([hidden, h[None]])
+        ids.append(tok)
+    n = len(ids)
+    normed, fed = head(torch.tensor(ids), hidden, torch.arange(n), layer_states(len(head.layers)),
+                       ChainMeta(1, n, real=True), ChainAttentionBackend())
+    return normed[-1], fed[-1]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_training_time_test_sees_what_inference_sees(tmp_path, num_layers: int) -> None:
+    trainer, engine = tiny_trainer("eagle3", tmp_path, num_layers)
+    head = trainer.head.eval()
+    sample = greedy_samples(engine, 1)[0]
+    batch = collate([sample], 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    tokens, feats = batch.tokens[0], tgt.features[0]
+    T = tokens.shape[0]
+    with torch.no_grad():
+        states, backend = layer_states(num_layers), ChainAttentionBackend()
+        hidden = head.fuse(tgt.features.reshape(T, -1))
+        outs = []
+        for s in range(3):
+            meta = ChainMeta(1, T, real=True) if s == 0 else ChainMeta(1, T, False, torch.arange(T)[None], 1)
+            normed, fed = head(_shift(batch.tokens, 1 + s)[0], hidden, torch.arange(T) + s, states, meta, backend)
+            outs.append((normed, fed))
+            hidden = fed
+        for anchor in (0, 5, T - 8):
+            slots = []
+            for s in range(3):
+                ref_normed, ref_fed = _causal_reference(head, feats, tokens, anchor, slots)
+                torch.testing.assert_close(outs[s][0][anchor], ref_normed, rtol=1e-4, atol=1e-5)
+                slots.append((int(tokens[anchor + 2 + s]), ref_fed))
+
+
+def test_peagle_slots_see_what_inference_sees(tmp_path) -> None:
+    trainer, engine = tiny_trainer("peagle", tmp_path, num_layers=2)
+    head = trainer.head.eval()
+    batch = collate(greedy_samples(engine, 1), 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    T, S = batch.tokens.shape[1], 3
+    anchors = torch.tensor([[0, 4, T - 6]])
+    mask_id = head.config.mask_token_id
+    with torch.no_grad():
+        mask_feature = head.fuse(head.mask_hidden[None])
+        ids = torch.cat([_shift(batch.tokens, 1)[0], torch.full((3 * S,), mask_id)])
+        hidden = torch.cat([head.fuse(tgt.features[0]), mask_feature.expand(3 * S, -1)])
+        pos = torch.cat([torch.arange(T), (anchors[0, :, None] + torch.arange(1, S + 1)).reshape(-1)])
+        normed, _ = head(ids, hidden, pos, layer_states(2), ChainMeta(1, T, True, anchors, S),
+                         ChainAttentionBackend())
+        chain = normed[T:].reshape(3, S, -1)
+        for a, anchor in enumerate(anchors[0].tolist()):
+            slots = []
+            for s in range(S):
+                slots.append((mask_id, mask_feature[0]))
+                ref, _ = _causal_reference(head, tgt.features[0], batch.tokens[0], anchor, slots)
+                torch.testing.assert_close(chain[a, s], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_training_predictions_equal_the_engine_proposers_drafts(tmp_path, method: str) -> None:
+    """The engine's proposer drafts d1..dk after a prompt; with d1..dk as the 'true' continuation, the training
+    forward's argmax at the last anchor must be exactly d1..dk (EAGLE-3), or d1 and the slots' argmaxes
+    (P-EAGLE)."""
+    k = 4
+    trainer, engine = tiny_trainer(method, tmp_path, num_layers=1 if method == "eagle3" else 2)
+    head = trainer.head.eval()
+    cls = Eagle3Proposer if method == "eagle3" else PEagleProposer
+    proposer = cls(head, engine.runner.model, 64, 4, torch.device("cpu"))
+    spec_engine = tiny_engine(proposers={method: proposer})  # the same seeded target as the trainer's
+    from specserve.spec.params import SpecParams
+    prompt = prompts([19], seed=5)[0]
+    spec_engine.add_request("r", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                            SpecParams(method, k))
+    req = spec_engine.requests["r"]
+    spec_engine.step()  # prefill: samples one token and drafts k
+    drafts = list(req.spec_token_ids)
+    assert len(drafts) == k
+    seq = prompt + req.output_ids + drafts
+    batch = collate([Sample(seq, len(prompt))], 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    anchor = len(prompt) - 1  # entry (first sampled token, features of the last prompt position)
+    T = batch.tokens.shape[1]
+    with torch.no_grad():
+        if method == "eagle3":
+            states, backend, hidden, got = layer_states(1), ChainAttentionBackend(), None, []
+            hidden = head.fuse(tgt.features.reshape(T, -1))
+            for s in range(k):
+                meta = ChainMeta(1, T, real=True) if s == 0 else ChainMeta(1, T, False, torch.arange(T)[None], 1)
+                normed, hidden = head(_shift(batch.tokens, 1 + s)[0], hidden, torch.arange(T) + s, states, meta,
+                                      backend)
+                got.append(int(head.draft_token_ids(normed[anchor:anchor + 1])[0]))
+        else:
+            S = k - 1
+            mask_id = head.config.mask_token_id
+            ids = torch.cat([_shift(batch.tokens, 1)[0], torch.full((S,), mask_id)])
+            hidden = torch.cat([head.fuse(tgt.features[0]), head.fuse(head.mask_hidden[None]).expand(S, -1)])
+            pos = torch.cat([torch.arange(T), anchor + torch.arange(1, S + 1)])
+            normed, _ = head(ids, hidden, pos, layer_states(2), ChainMeta(1, T, True, torch.tensor([[anchor]]), S),
+                             ChainAttentionBackend())
+            got = head.draft_token_ids(torch.cat([normed[anchor:anchor + 1], normed[T:]])).tolist()
+    assert got == drafts
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path, method: str) -> None:
+    trainer, engine = tiny_trainer(method, tmp_path, num_layers=1 if method == "eagle3" else 2)
+    samples = greedy_samples(engine, 4)
+    batch = collate(samples, 64, torch.device("cpu"))
+    trainer.gen.manual_seed(0)
+    before = sum(float(x) for x in trainer._loss(batch, train=False)[0])
+    for _ in range(5):
+        trainer.opt.zero_grad()
+        trainer.gen.manual_seed(0)
+        trainer._loss(batch, train=True)
+        trainer.opt.step()
+    trainer.gen.manual_seed(0)
+    after = sum(float(x) for x in trainer._loss(batch, train=False)[0])
+    assert after < 0.9 * before
+    if method == "peagle":  # only the mask token's embedding row moved
+        moved = (trainer.head.embed_tokens.weight - engine.runner.model.embed_tokens.weight).abs().sum(-1).nonzero()
+        assert moved.flatten().tolist() == [trainer.head.config.mask_token_id]
+
+
+def test_fit_resumes_from_its_checkpoint(tmp_path) -> None:
+    trainer, engine = tiny_trainer("eagle3", tmp_path, epochs=1.0, checkpoint_every=1)
+    samples = greedy_samples(engine, 6)
+    log = trainer.fit(samples)
+    assert log and (tmp_path / "checkpoint.pt").exists()
+    again, _ = tiny_trainer("eagle3", tmp_path, epochs=1.0, checkpoint_every=1, seed=0)
+    again.fit(samples)  # nothing left to do: resumes at the last step
+    assert again.step == trainer.step
+    for (name, a), b in zip(trainer.head_state().items(), again.head_state().values()):
+        assert torch.equal(a, b), name
+    report = trainer.evaluate(samples[:2], max_k=3)
+    assert set(report["estimated_al"]) == {1, 2, 3}
+    als = list(report["estimated_al"].values())
+    assert all(1.0 <= a <= 1 + k for k, a in zip((1, 2, 3), als)) and als == sorted(als)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_export_then_load_gives_identical_drafts(tmp_path, method: str) -> None:
+    trainer, engine = tiny_trainer(method, tmp_path / "run", num_layers=1 if method == "eagle3" else 2)
+    out = tmp_path / "head"
+    files = export_head(trainer.head, out, "tiny", dtype=torch.float32, max_shard_bytes=20_000)
+    assert len(files) > 1 and (out / "model.safetensors.index.json").exists()  # sharded
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == method and cfg["draft_vocab_size"] == VOCAB // 2 + 1
+    loaded = load_eagle_head(out, 2, VOCAB, 512, torch.float32, torch.device("cpu"))
+    runs = []
+    for head in (trainer.head.eval(), loaded):
+        cls = Eagle3Proposer if method == "eagle3" else PEagleProposer
+        eng = tiny_engine(proposers={method: cls(head, engine.runner.model, 64, 4, torch.device("cpu"))})
+        from specserve.spec.params import SpecParams
+        reqs = eng.generate(prompts([7, 15]), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                            SpecParams(method, 3))
+        runs.append([(r.output_ids, r.spec_counters.num_accepted_tokens, r.spec_counters.num_drafts) for r in reqs])
+    assert runs[0] == runs[1]
+    assert np.isfinite([a for _, a, _ in runs[0]]).all()
+
+
+def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
+    from specserve.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["train-draft", "--out", str(tmp_path), "--num-layers", "0", "--prompts", "x.jsonl"])
+    assert exc.value.code == 2 and "num_layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--out", str(tmp_path)])
+    assert "--prompts" in capsys.readouterr().err

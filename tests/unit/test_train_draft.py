@@ -285,3 +285,62 @@ def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["train-draft", "--out", str(tmp_path)])
     assert "--prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_steady_state_drafts_match_training_predictions(tmp_path, method: str) -> None:
+    """Every draft the engine proposes during a whole generation (not only the first, after prefill) is what the
+    training forward predicts on the final sequence: draft 1 after position n always; draft s + 1 whenever drafts
+    1..s were the tokens that actually followed (the training forward feeds true tokens)."""
+    k = 3
+    trainer, engine = tiny_trainer(method, tmp_path, num_layers=1 if method == "eagle3" else 2)
+    head = trainer.head.eval()
+    cls = Eagle3Proposer if method == "eagle3" else PEagleProposer
+    spec_engine = tiny_engine(proposers={method: cls(head, engine.runner.model, 64, 4, torch.device("cpu"))})
+    from specserve.spec.params import SpecParams
+    prompt = prompts([11], seed=9)[0]
+    spec_engine.add_request("r", prompt, SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True),
+                            SpecParams(method, k))
+    req = spec_engine.requests["r"]
+    proposals = []  # (number of known tokens when drafted, drafts)
+    while not req.finished:
+        spec_engine.step()
+        if not req.finished and req.spec_token_ids:
+            proposals.append((len(prompt) + len(req.output_ids), list(req.spec_token_ids)))
+    seq = prompt + req.output_ids
+    batch = collate([Sample(seq, len(prompt))], 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    T = batch.tokens.shape[1]
+    with torch.no_grad():
+        pred = []  # pred[s][j]: draft s + 1 at anchor j, fed true tokens
+        if method == "eagle3":
+            states, backend = layer_states(1), ChainAttentionBackend()
+            hidden = head.fuse(tgt.features.reshape(T, -1))
+            for s in range(k):
+                meta = ChainMeta(1, T, real=True) if s == 0 else ChainMeta(1, T, False, torch.arange(T)[None], 1)
+                normed, hidden = head(_shift(batch.tokens, 1 + s)[0], hidden, torch.arange(T) + s, states, meta,
+                                      backend)
+                pred.append(head.draft_token_ids(normed).tolist())
+        else:
+            S, mask_id = k - 1, head.config.mask_token_id
+            anchors = torch.arange(T)[None]
+            ids = torch.cat([_shift(batch.tokens, 1)[0], torch.full((T * S,), mask_id)])
+            hidden = torch.cat([head.fuse(tgt.features[0]), head.fuse(head.mask_hidden[None]).expand(T * S, -1)])
+            pos = torch.cat([torch.arange(T), (torch.arange(T)[:, None] + torch.arange(1, S + 1)).reshape(-1)])
+            normed, _ = head(ids, hidden, pos, layer_states(2), ChainMeta(1, T, True, anchors, S),
+                             ChainAttentionBackend())
+            pred.append(head.draft_token_ids(normed[:T]).tolist())
+            chain = head.draft_token_ids(normed[T:]).reshape(T, S)
+            pred += [chain[:, s].tolist() for s in range(S)]
+    checked = 0
+    for n_known, drafts in proposals:
+        anchor = n_known - 2  # entry (token n_known - 1, features of position n_known - 2)
+        for s, d in enumerate(drafts):
+            if method == "eagle3" and s and seq[n_known + s - 1:n_known + s] != drafts[s - 1:s]:
+                break  # the engine fed a wrong draft back; training never sees that input
+            if n_known + s >= len(seq):
+                break
+            assert d == pred[s][anchor], (n_known, s, drafts)
+            checked += 1
+    assert checked >= len(proposals) > 5

@@ -157,6 +157,7 @@ class TrainDraftConfig:
     max_seq_len: int = 1024  # longer samples are cut
     max_batch_tokens: int = 16384  # B * T of one batch
     ttt_steps: int = 7  # EAGLE-3 training-time-test depth (draft positions trained)
+    ttt_anchors: int = 256  # EAGLE-3: sampled anchors per sequence trained past draft 1 (0: every position)
     step_weight_decay: float = 0.8  # loss weight of draft position s is decay ** s
     num_spec_tokens: int = 7  # P-EAGLE slots trained (draft positions 1..num_spec_tokens)
     anchors_per_seq: int = 128  # P-EAGLE: sampled anchor positions per sequence per pass

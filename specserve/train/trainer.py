@@ -183,38 +183,56 @@ class StepStats:
 
 
 def eagle3_loss(head: EagleHead, tgt: TargetOut, batch: Batch, steps: int, decay: float,
+                anchors: torch.Tensor | None = None,
                 run_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
-    """Training-time test over ``steps`` draft positions. With ``run_lengths`` ([B, T] int64, zeros), also
-    records for every anchor how many leading draft positions matched the target's argmax (held-out AL)."""
-    tokens = batch.tokens
+    """Training-time test over ``steps`` draft positions. Draft 1 trains at every entry; drafts 2.. at
+    ``anchors`` ([B, A] int64, -1 = padding; None = every position), which bounds the chains' attention. With
+    ``run_lengths`` ([B, A] int64, zeros), also records for every anchor how many leading draft positions matched
+    the target's argmax (the held-out AL estimate)."""
+    tokens, answer = batch.tokens, batch.answer
     B, T = tokens.shape
     n = B * T
     dev = tokens.device
     backend = ChainAttentionBackend()
     states = layer_states(len(head.layers))
     j = torch.arange(T, device=dev)
-    anchors = j.expand(B, T)
-    hidden = head.fuse(tgt.features.reshape(n, -1))
-    total = torch.zeros((), device=dev)
     stats = StepStats(0.0, [], [])
-    alive = torch.ones(B, T, dtype=torch.bool, device=dev)
-    for s in range(steps):
-        ids = _shift(tokens, 1 + s).reshape(n)
-        pos = (j + s).repeat(B)
-        meta = ChainMeta(B, T, real=True) if s == 0 else ChainMeta(B, T, real=False, anchors=anchors, num_slots=1)
-        normed, fed = head(ids, hidden, pos, states, meta, backend)
-        logits = head.lm_head(normed).reshape(B, T, -1)
-        probs = _shift(tgt.probs, 1 + s)
-        mask = _shift(batch.answer, 2 + s, False)  # the predicted token (j + 2 + s) is a generated one
-        total = total + (decay ** s) * _soft_ce(logits, probs, mask.float())
-        target_arg = _shift(tgt.argmax, 1 + s, -1)
-        hit = (logits.argmax(-1) == target_arg) & mask
+    # draft 1: every entry j (token j + 1, features j) predicts token j + 2
+    normed, fed = head(_shift(tokens, 1).reshape(n), head.fuse(tgt.features.reshape(n, -1)), j.repeat(B), states,
+                       ChainMeta(B, T, real=True), backend)
+    logits = head.lm_head(normed).reshape(B, T, -1)
+    mask = _shift(answer, 2, False)
+    total = _soft_ce(logits, _shift(tgt.probs, 1), mask.float())
+    hit = (logits.argmax(-1) == _shift(tgt.argmax, 1, -1)) & mask
+    stats.correct.append(int(hit.sum()))
+    stats.count.append(int(mask.sum()))
+    if anchors is None:
+        anchors = j.expand(B, T)
+    valid = anchors >= 0
+    anc = anchors.clamp(min=0)
+    b_idx = torch.arange(B, device=dev)[:, None]
+    fed = fed.reshape(B, T, -1)[b_idx, anc]  # [B, A, hidden]
+    alive = hit[b_idx, anc] & valid
+    if run_lengths is not None:
+        run_lengths += alive.long()
+    A = anc.shape[1]
+    for s in range(1, steps):
+        # draft s + 1 of anchor j: entry (token j + 1 + s, own feature) at position j + s predicts token j + 2 + s
+        ids = tokens[b_idx, (anc + 1 + s).clamp(max=T - 1)].reshape(-1)
+        meta = ChainMeta(B, T, real=False, anchors=anc, num_slots=1)
+        normed, fed = head(ids, fed.reshape(B * A, -1), (anc + s).reshape(-1), states, meta, backend)
+        logits = head.lm_head(normed).reshape(B, A, -1)
+        row = (anc + 1 + s).clamp(max=T - 1)  # the target's distribution for token j + 2 + s
+        predicted = anc + 2 + s
+        mask = valid & (predicted < T) & answer[b_idx, predicted.clamp(max=T - 1)]
+        total = total + (decay ** s) * _soft_ce(logits, tgt.probs[b_idx, row], mask.float())
+        hit = (logits.argmax(-1) == tgt.argmax[b_idx, row]) & mask
         stats.correct.append(int(hit.sum()))
         stats.count.append(int(mask.sum()))
         if run_lengths is not None:
             alive = alive & hit
             run_lengths += alive.long()
-        hidden = fed
+        fed = fed.reshape(B, A, -1)
     stats.loss = float(total.detach())
     return total, stats
 
@@ -344,7 +362,8 @@ class Trainer:
                              self.t2d_index)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if cfg.method == "eagle3":
-                loss, stats = eagle3_loss(self.head, tgt, batch, cfg.ttt_steps, cfg.step_weight_decay,
+                anchors = sample_anchors(batch, cfg.ttt_anchors, self.gen) if cfg.ttt_anchors else None
+                loss, stats = eagle3_loss(self.head, tgt, batch, cfg.ttt_steps, cfg.step_weight_decay, anchors,
                                           run_lengths)
                 if train:
                     loss.backward()
@@ -422,7 +441,7 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 if cfg.method == "eagle3":
                     runs = torch.zeros_like(batch.tokens)
-                    _, stats = eagle3_loss(self.head, tgt, batch, steps, cfg.step_weight_decay, runs)
+                    _, stats = eagle3_loss(self.head, tgt, batch, steps, cfg.step_weight_decay, None, runs)
                     runs_all.append(runs[_shift(batch.answer, 2, False)])
                 else:
                     anchors = sample_anchors(batch, cfg.anchors_per_seq, self.gen)

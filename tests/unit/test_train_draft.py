@@ -344,3 +344,30 @@ def test_steady_state_drafts_match_training_predictions(tmp_path, method: str) -
             assert d == pred[s][anchor], (n_known, s, drafts)
             checked += 1
     assert checked >= len(proposals) > 5
+
+
+def test_sampled_ttt_anchors_compute_what_every_anchor_computes(tmp_path) -> None:
+    """Training drafts 2.. on a sample of anchors gives, at those anchors, exactly the draft logits computed when
+    every position is an anchor (4 draft positions)."""
+    from specserve.train.trainer import eagle3_loss, sample_anchors
+    trainer, engine = tiny_trainer("eagle3", tmp_path)
+    head = trainer.head
+    batch = collate(greedy_samples(engine, 3), 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    calls: list[torch.Tensor] = []
+    hook = head.lm_head.register_forward_hook(lambda mod, inp, out: calls.append(out.detach()))
+    with torch.no_grad():
+        eagle3_loss(head, tgt, batch, 4, 0.8, None)
+        full, calls[:] = list(calls), []
+        anchors = sample_anchors(batch, 5, torch.Generator().manual_seed(1))
+        eagle3_loss(head, tgt, batch, 4, 0.8, anchors)
+        some = list(calls)
+    hook.remove()
+    B, T = batch.tokens.shape
+    torch.testing.assert_close(some[0], full[0])  # draft 1 covers every entry either way
+    ok = anchors >= 0
+    assert ok.sum() >= 10
+    for s in range(1, 4):
+        expect = full[s].reshape(B, T, -1)[torch.arange(B)[:, None], anchors.clamp(min=0)]
+        torch.testing.assert_close(some[s].reshape(B, anchors.shape[1], -1)[ok], expect[ok], rtol=1e-5, atol=1e-5)

@@ -3,7 +3,10 @@
 # vLLM CPU 0.32 (no speculation, n-gram k=4), SmolLM2-135M-Instruct, MT-Bench first turns, greedy, 128 tokens,
 # concurrency 1, 8 and 32. One server at a time; every run is appended to one report in $OUT.
 #
-#   flock /tmp/specserve_cpu_bench.lock benchmarks/serving_cpu_vs_vllm.sh
+#   flock /tmp/specserve_cpu_bench.lock nice -n -10 benchmarks/serving_cpu_vs_vllm.sh
+#
+# (nice -10: on a shared 2-core machine, other people's test runs otherwise take a share of the CPU mid-run;
+# the first attempt without it saw the same configuration vary by up to 40% between runs.)
 #
 # vLLM runs in two thread layouts: "all cores" (fp32, OpenMP bound to every core, as engine_cpu.py found fastest
 # offline) at concurrency 1/8/32, and "1 model core" (vLLM's default binding, which keeps one core for its API

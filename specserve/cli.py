@@ -47,10 +47,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter for --spec-method draft/eagle3/peagle: a model path or 'self' (the target "
                         "itself) for draft, a head checkpoint directory for eagle3/peagle, or 'dummy' / "
                         "'dummy:<seed>' for a randomly initialised drafter")
-    g.add_argument("--num-spec-tokens", type=int, default=3, metavar="K",
+    g.add_argument("--num-spec-tokens", type=int, default=SpecConfig.num_spec_tokens, metavar="K",
                    help=f"tokens drafted per step and request, 1..{MAX_NUM_SPEC_TOKENS}")
-    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram the n-gram lookup matches")
-    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the n-gram lookup tries first")
+    g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
+                   help="shortest suffix n-gram the n-gram lookup matches")
+    g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
+                   help="longest suffix n-gram the n-gram lookup tries first")
 
 
 # Config fields whose flag is not simply ``--`` + the field name with dashes.

@@ -73,3 +73,12 @@ def test_bad_spec_method_is_rejected_by_argparse(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--spec-method", "medusa"])
     assert "--spec-method" in capsys.readouterr().err
+
+
+def test_speculation_flag_defaults_are_the_config_defaults() -> None:
+    from specserve.cli import build_parser
+    from specserve.config import SpecConfig
+    args = build_parser().parse_args(["serve"])
+    default = SpecConfig()
+    assert (args.num_spec_tokens, args.ngram_min, args.ngram_max) == (
+        default.num_spec_tokens, default.ngram_min, default.ngram_max)

@@ -12,6 +12,7 @@ case of the same path."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -321,8 +322,10 @@ class LLMEngine:
 
     # ---- offline convenience -------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 spec: SpecParams | list[SpecParams] | None = None) -> list[Request]:
-        """Run prompts to completion; returns the finished requests (output_ids, output_text) in order."""
+                 spec: SpecParams | list[SpecParams] | None = None,
+                 on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
+        """Run prompts to completion; returns the finished requests (output_ids, output_text) in order.
+        ``on_step`` (e.g. a progress line) sees the requests after every step."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         slist = spec if isinstance(spec, list) else [spec] * len(prompts)
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
@@ -332,4 +335,6 @@ class LLMEngine:
             reqs.append(self.requests[rid])
         while any(not r.finished for r in reqs):
             self.step()
+            if on_step is not None:
+                on_step(reqs)
         return reqs

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specserve.config import ModelConfig
 from specserve.models.loader import init_random_weights
@@ -210,22 +210,32 @@ def load_eagle_head(path: str | Path, num_target_layers: int, target_vocab_size:
     return head
 
 
+def head_layer_config(target: ModelConfig, num_layers: int, name: str) -> ModelConfig:
+    """``num_layers`` Llama decoder layers of the target's width, heads and rope, for a head drafting for it."""
+    fields = {k: getattr(target, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                               "num_attention_heads", "num_key_value_heads", "head_dim",
+                                               "rms_norm_eps", "rope_theta", "rope_scaling",
+                                               "max_position_embeddings")}
+    return ModelConfig(architecture="llama", num_hidden_layers=num_layers, name=name, **fields)
+
+
+def head_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """Low, mid, high target features (EAGLE-3's choice); a target under 4 layers takes (0, L // 2, L)."""
+    if num_target_layers >= 4:
+        return default_aux_layer_ids(num_target_layers)
+    return (0, num_target_layers // 2, num_target_layers)
+
+
 def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int, dtype: torch.dtype,
                device: torch.device, num_layers: int | None = None, **overrides) -> EagleHead:
     """A random head shaped for ``target``: one layer (two for P-EAGLE), a draft vocabulary of half the target's
     ids (a random sorted subset, so the d2t mapping is exercised) and the target's embedding table.
     ``overrides`` replace ``EagleHeadConfig`` fields (norm_before_residual, has_embedding, fc_norm, ...)."""
     gen = torch.Generator().manual_seed(seed)
-    layer_cfg = {k: getattr(target, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                  "rms_norm_eps", "rope_theta", "rope_scaling",
-                                                  "max_position_embeddings")}
-    layer = ModelConfig(architecture="llama", num_hidden_layers=num_layers or (2 if parallel else 1),
-                        name="eagle-head-dummy", **layer_cfg)
+    layer = head_layer_config(target, num_layers or (2 if parallel else 1), "eagle-head-dummy")
     draft_vocab = max(1, target.vocab_size // 2)
-    num = target.num_hidden_layers
     fields = {"target_hidden_size": target.hidden_size, "draft_vocab_size": draft_vocab,
-              "aux_layer_ids": default_aux_layer_ids(num) if num >= 4 else (0, num // 2, num),
+              "aux_layer_ids": head_aux_layer_ids(target.num_hidden_layers),
               "has_embedding": False, "parallel": parallel,
               "mask_token_id": target.vocab_size - 1 if parallel else None}
     config = EagleHeadConfig(layer=layer, **{**fields, **overrides})
@@ -238,8 +248,10 @@ def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int
 
 
 @torch.no_grad()
-def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = None) -> None:
-    """Write ``head`` as a speculators-format checkpoint (config.json + model.safetensors)."""
+def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = None,
+                     max_shard_bytes: int | None = None) -> None:
+    """Write ``head`` as a speculators-format checkpoint: config.json + model.safetensors, or shards of at most
+    ``max_shard_bytes`` plus their index."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = head.config
@@ -299,5 +311,6 @@ def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = N
         t2d = torch.zeros(lc.vocab_size, dtype=torch.bool)
         t2d[torch.arange(c.draft_vocab_size) + head.d2t.cpu()] = True
         state["t2d"] = t2d
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / "model.safetensors"))
+    from specserve.models.convert import save_state_dict  # the converter's (sharding) weight writer
+    save_state_dict({k: v.detach().cpu() for k, v in state.items()}, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

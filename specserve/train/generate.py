@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from specserve.sampling import SamplingParams
 from specserve.train.data import Conversation
@@ -90,25 +91,17 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
 
 
 def _run(engine, prompts: list[list[int]], params: list[SamplingParams], progress: bool, label: str):
-    ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    reqs = []
-    for rid, prompt, p in zip(ids, prompts, params):
-        engine.add_request(rid, prompt, p)
-        reqs.append(engine.requests[rid])
-    last = 0.0
+    """``engine.generate`` with a progress bar: answers finished, tokens generated, tokens/s."""
     t0 = time.perf_counter()
-    while any(not r.finished for r in reqs):
-        engine.step()
-        now = time.perf_counter()
-        if progress and now - last > 5:
-            done = sum(r.finished for r in reqs)
+    with tqdm(total=len(prompts), desc=f"generate {label}", unit="answer", file=sys.stderr, disable=not progress,
+              mininterval=5) as bar:
+        def report(reqs) -> None:
             made = sum(len(r.output_ids) for r in reqs)
-            print(f"\rgenerate {label}: {done}/{len(reqs)} answers, {made} tokens, "
-                  f"{made / max(now - t0, 1e-9):.0f} tok/s", end="", file=sys.stderr, flush=True)
-            last = now
-    if progress:
-        print(file=sys.stderr)
-    return reqs
+            bar.set_postfix_str(f"{made} tokens, {made / max(time.perf_counter() - t0, 1e-9):.0f} tok/s",
+                                refresh=False)
+            bar.update(sum(r.finished for r in reqs) - bar.n)
+
+        return engine.generate(prompts, params, on_step=report if progress else None)
 
 
 def save_samples(samples: list[Sample], path: str | Path) -> None:

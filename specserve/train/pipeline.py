@@ -19,7 +19,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, TrainDraftConfig
 from specserve.train.data import expand_paths, read_conversations, split_held_out
@@ -61,7 +60,7 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
 def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.bfloat16,
                 max_shard_bytes: int = 48 << 20) -> list[str]:
     """Write the head in the speculators format, in ``dtype``, split into shards of at most
-    ``max_shard_bytes`` (``model-0000k-of-0000n.safetensors`` + index) when larger."""
+    ``max_shard_bytes`` (``model-0000k-of-0000n.safetensors`` + index) when larger. Returns the weight files."""
     import copy
 
     from specserve.spec.eagle_checkpoint import save_speculators
@@ -73,31 +72,11 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
     finally:
         head.target_embed = target_embed
     export.d2t = head.d2t.clone()
-    save_speculators(export, out_dir, verifier)
-    single = out_dir / "model.safetensors"
-    state = load_file(str(single))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    if total <= max_shard_bytes:
-        return [single.name]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        nbytes = state[name].numel() * state[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = state[name]
-        size += nbytes
-    single.unlink()
-    names, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name))
-        names.append(name)
-        weight_map.update({k: name for k in shard})
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return names
+    out_dir = Path(out_dir)
+    for stale in out_dir.glob("model*.safetensors*"):  # an earlier export's files would be read too
+        stale.unlink()
+    save_speculators(export, out_dir, verifier, max_shard_bytes)
+    return sorted(f.name for f in out_dir.glob("model*.safetensors"))
 
 
 def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from specserve.config import ModelConfig, TrainDraftConfig
 from specserve.layers.ops import TorchOps
-from specserve.spec.eagle_checkpoint import build_head, default_aux_layer_ids
+from specserve.models.loader import init_random_weights
+from specserve.spec.eagle_checkpoint import build_head, head_aux_layer_ids, head_layer_config
 from specserve.spec.eagle_head import EagleHead, EagleHeadConfig
 from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, layer_states
 from specserve.train.generate import Sample
@@ -55,19 +57,13 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
     ``draft_ids``; lm_head rows start from the target's LM head rows of those ids, P-EAGLE's embedding from
     the target's (only the mask token's row is trained), the mask feature from zero."""
     t = target_config
-    layer = ModelConfig(architecture="llama", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
-                        intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
-                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
-                        rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
-                        name="eagle-head")
     parallel = cfg.method == "peagle"
-    hc = EagleHeadConfig(layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=len(draft_ids),
-                         aux_layer_ids=_aux_layer_ids(t.num_hidden_layers), has_embedding=parallel,
+    hc = EagleHeadConfig(layer=head_layer_config(t, cfg.num_layers, "eagle-head"), target_hidden_size=t.hidden_size,
+                         draft_vocab_size=len(draft_ids), aux_layer_ids=head_aux_layer_ids(t.num_hidden_layers),
+                         has_embedding=parallel,
                          parallel=parallel, mask_token_id=_mask_token_id(t) if parallel else None,
                          num_spec_tokens=cfg.num_spec_tokens if parallel else 5)
     head = build_head(hc, max_position, torch.float32, device)
-    from specserve.models.loader import init_random_weights
     init_random_weights(head, gen)
     with torch.no_grad():
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
@@ -81,11 +77,6 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
             head.mask_hidden.zero_()
     head.set_ops(TrainOps())
     return head.train()
-
-
-def _aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """Low, mid, high target features (EAGLE-3's choice); a target under 4 layers takes (0, L // 2, L)."""
-    return default_aux_layer_ids(num_layers) if num_layers >= 4 else (0, num_layers // 2, num_layers)
 
 
 def _mask_token_id(t: ModelConfig) -> int:
@@ -305,28 +296,6 @@ def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> torch.Tens
 # ---------------------------------------------------------------------------------------------- loop
 
 
-class Progress:
-    """One stderr line: step, loss, accuracy per draft position, tokens/s."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.enabled, self.t0, self.last = total, enabled, time.perf_counter(), 0.0
-
-    def update(self, step: int, loss: float, acc: list[float], force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 2 and not force):
-            return
-        self.last = now
-        width = 24
-        filled = int(width * step / max(self.total, 1))
-        accs = " ".join(f"{a:.2f}" for a in acc)
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.3f} acc/pos {accs} "
-              f"{now - self.t0:.0f}s", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr)
-
-
 def _lr_at(step: int, total: int, cfg: TrainDraftConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -349,8 +318,7 @@ class Trainer:
         if self.head.embed_tokens is None:
             self.head.target_embed = target.embed_tokens  # a submodule now: kept out of the optimiser and saves
         self.params = [p for name, p in self.head.named_parameters() if not name.startswith("target_embed.")]
-        params = self.params
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
         self.progress = progress
         self.autocast = device.type == "cuda"
@@ -390,12 +358,16 @@ class Trainer:
         total = planned = max(1, int(cfg.epochs * len(batches)))
         self._maybe_resume()
         started, start_step = time.perf_counter(), self.step
-        bar = Progress(total, self.progress)
+        bar = tqdm(total=total, initial=self.step, desc=f"train {cfg.method}", unit="step", file=sys.stderr,
+                   disable=not self.progress, mininterval=2)
         log: list[dict] = []
         correct = count = None
+        order_epoch, order = 0, batches
         while self.step < total:
             epoch, idx = divmod(self.step, len(batches))
-            order = make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed + epoch) if epoch else batches
+            if epoch != order_epoch:  # a new shuffle each epoch (the same one after a resume)
+                order_epoch, order = epoch, make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens,
+                                                         cfg.seed + epoch)
             batch = collate([samples[i] for i in order[idx]], cfg.max_seq_len, self.device)
             for group in self.opt.param_groups:
                 group["lr"] = _lr_at(self.step, total, cfg)
@@ -415,7 +387,8 @@ class Trainer:
             correct = stats.correct if correct is None else [0.98 * a + b for a, b in zip(correct, stats.correct)]
             count = stats.count if count is None else [0.98 * a + b for a, b in zip(count, stats.count)]
             acc = [c / max(n, 1) for c, n in zip(correct, count)]
-            bar.update(self.step, stats.loss, acc, force=self.step == total)
+            bar.set_postfix_str(f"loss {stats.loss:.3f} acc/pos " + " ".join(f"{a:.2f}" for a in acc), refresh=False)
+            bar.update(1)
             if self.step % 50 == 0 or self.step == total:
                 log.append({"step": self.step, "loss": stats.loss, "acc_per_pos": acc})
             if self.step % cfg.checkpoint_every == 0:

@@ -20,10 +20,37 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Sequences with at most this many new tokens are attended together in one padded batch
 # (decode and verify steps); longer prefill chunks are attended one sequence at a time.
 MAX_PADDED_QUERY_LEN = 16
+
+
+# The SDPA implementations our torch attention paths may use. cuDNN's is left out: given an explicit mask it
+# plans a cuDNN graph on the host for each new shape, and ragged engine steps and training batches change shape
+# all the time (measured on the H200, torch 2.11: ~1.7 ms of host time per call, 55 of a 56 ms SmolLM2 decode
+# step at batch 1; benchmarks/profile_gpu.py).
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa(
+    q: torch.Tensor,  # [..., num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [..., num_kv_heads, kv_len, head_dim]
+    v: torch.Tensor,  # [..., num_kv_heads, kv_len, head_dim]
+    attn_mask: torch.Tensor | None = None,  # broadcastable to [..., num_heads, q_len, kv_len] bool, True = attend
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:  # [..., num_heads, q_len, head_dim]
+    """``scaled_dot_product_attention`` restricted to ``SDPA_BACKENDS``, with grouped-query heads. With a mask the
+    key/value heads are expanded first, so the memory-efficient kernel (which takes masks) can run."""
+    group = q.shape[-3] // k.shape[-3]
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        if group > 1 and attn_mask is not None:
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=group > 1)
 
 
 @dataclass
@@ -179,7 +206,7 @@ class TorchAttentionBackend:
                 qg = q[group.q_index].transpose(1, 2)
             kg = k_flat[group.kv_slots].transpose(1, 2)  # [G, kvh, S, d]
             vg = v_flat[group.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, enable_gqa=True)
+            og = sdpa(qg, kg, vg, attn_mask=group.mask)
             if group.uniform:
                 return og.transpose(1, 2).reshape(q.shape)
             out.index_copy_(0, group.out_index, og.transpose(1, 2)[group.valid])
@@ -188,13 +215,13 @@ class TorchAttentionBackend:
             qs = q[sl].transpose(0, 1)  # [h, q_len, d]
             if seq.context_len == 0:
                 ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [kvh, q_len, d]
-                os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                os_ = sdpa(qs, ks, vs, is_causal=True)
             else:
                 ks = k_flat[seq.kv_slots].transpose(0, 1)  # [kvh, seq_len, d]
                 vs = v_flat[seq.kv_slots].transpose(0, 1)
                 q_pos = seq.context_len + torch.arange(seq.query_len, device=q.device)
                 kv_pos = torch.arange(seq.kv_slots.shape[0], device=q.device)
                 mask = kv_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-                os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                os_ = sdpa(qs, ks, vs, attn_mask=mask)
             out[sl] = os_.transpose(0, 1)
         return out

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from specserve.layers.attention import sdpa
 
 
 @dataclass
@@ -103,9 +104,8 @@ def chain_attention(
     group = H // k_real.shape[2]
     keys = torch.cat([_expand_kv(k_real, group), _expand_kv(k_chain, group).reshape(B, A * C, H, D)], dim=1)
     values = torch.cat([_expand_kv(v_real, group), _expand_kv(v_chain, group).reshape(B, A * C, H, D)], dim=1)
-    out = F.scaled_dot_product_attention(q.reshape(B, A * S, H, D).transpose(1, 2), keys.transpose(1, 2),
-                                         values.transpose(1, 2), attn_mask=chain_mask(anchors, T, S, C),
-                                         scale=scale)  # [B, H, A * S, D]
+    out = sdpa(q.reshape(B, A * S, H, D).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+               attn_mask=chain_mask(anchors, T, S, C), scale=scale)  # [B, H, A * S, D]
     return out.transpose(1, 2).reshape(B, A, S, H, D)
 
 
@@ -134,8 +134,7 @@ class ChainAttentionBackend:
             kr = k[:n_real].reshape(B, T, -1, D)
             vr = v[:n_real].reshape(B, T, -1, D)
             state.k_real, state.v_real = kr, vr
-            out = F.scaled_dot_product_attention(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
-                                                 is_causal=True, scale=scale, enable_gqa=True)
+            out = sdpa(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True, scale=scale)
             outs.append(out.transpose(1, 2).reshape(n_real, H, D))
         if meta.num_slots:
             if state.k_real is None:

@@ -11,6 +11,8 @@ distribution after the last token and after each draft).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +22,27 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.layers.attention import AttentionBackend, TorchAttentionBackend, build_attention_metadata
 from specserve.models.llama import LlamaForCausalLM
 
+logger = logging.getLogger(__name__)
+
+
+# Set to force the plain-torch reference backend on CUDA (e.g. to bisect a numerical difference).
+DISABLE_TRITON_ATTENTION_ENV = "SPECSERVE_DISABLE_TRITON_ATTENTION"
+
 
 def default_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """Our C++ paged-attention kernel for fp32 on CPU when it builds; the torch reference otherwise."""
+    """Our C++ paged-attention kernel for fp32 on CPU when it builds; on CUDA the Triton paged-attention kernels
+    when Triton imports and ``SPECSERVE_DISABLE_TRITON_ATTENTION`` is unset; the torch reference otherwise.
+    Triton is imported only here, on the CUDA path: CPU runs never load it."""
     if device.type == "cpu":
         from specserve.layers.cpu_attention import make_cpu_backend
         return make_cpu_backend(dtype)
+    if device.type == "cuda" and not os.environ.get(DISABLE_TRITON_ATTENTION_ENV):
+        try:
+            from specserve.layers.triton_attention import TritonAttentionBackend
+        except (ImportError, RuntimeError) as exc:  # not installed, or no usable driver / compiler
+            logger.warning("Triton attention unavailable (%s); using the torch reference backend", exc)
+        else:
+            return TritonAttentionBackend()
     return TorchAttentionBackend()
 
 

@@ -1,0 +1,251 @@
+"""The Triton paged-attention backend against the plain-torch reference backend (the oracle).
+
+Without a GPU the kernels run under Triton's interpreter (numpy, one program at a time). ``triton.jit`` decides
+between compiling and interpreting when a kernel is *defined*, from ``TRITON_INTERPRET``, so the variable is
+set before ``specserve.layers.triton_attention`` is imported (and the module is reloaded if something imported
+it earlier without it). Batches are kept small: an interpreted launch costs 0.1-2 s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend, build_attention_metadata
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+from triton.runtime import interpreter  # noqa: E402
+
+from specserve.layers import triton_attention  # noqa: E402
+
+if DEVICE.type == "cpu" and not isinstance(triton_attention._decode_kernel, interpreter.InterpretedFunction):
+    triton_attention = importlib.reload(triton_attention)
+TritonAttentionBackend = triton_attention.TritonAttentionBackend
+
+ATOL = 1e-5
+
+
+def _fix_interpreter() -> None:
+    """Two bugs of Triton 3.6's interpreter (not of the compiled path), patched for these tests only:
+
+    - it keeps a scalar as a 1-element array and turns it into a loop bound with ``int(array)``, which
+      NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
+      triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0): take the one element instead;
+    - it stores bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as integers: widen bfloat16
+      operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order).
+    """
+    if getattr(interpreter, "specserve_fixed", False):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patched_lang_tensor(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def patched_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, triton.language.float32) if x.dtype.scalar == triton.language.bfloat16 else x
+                for x in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    builder.create_dot = patched_create_dot
+    interpreter.specserve_fixed = True
+
+
+if DEVICE.type == "cpu":
+    _fix_interpreter()
+
+
+def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[int], block_size: int,
+               num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+               spare_blocks: int = 3):
+    """Random caches and a ragged batch whose sequences own shuffled, non-contiguous blocks. q/k/v are views
+    into one fused qkv matrix, as the model passes them (token stride != heads * head_dim)."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in blocks_per_seq:
+        tables.append(ids[at:at + n])
+        at += n
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
+    t = meta.num_tokens
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(t, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
+    return meta, q, k, v, k_cache, v_cache
+
+
+def run_both(meta: AttentionMetadata, q, k, v, k_cache, v_cache, block_size: int, **triton_kwargs):
+    """(out, k_cache, v_cache) from the oracle and from the Triton backend, each on its own copy of the caches."""
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend(**triton_kwargs)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        backend.prepare(meta, block_size)
+        out = backend.forward(q, k, v, kc, vc, meta)
+        results.append((out, kc, vc))
+    return results
+
+
+def check(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, atol=ATOL,
+          dtype=torch.float32, **triton_kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    meta, q, k, v, k_cache, v_cache = make_batch(gen, query_lens, context_lens, block_size, num_heads,
+                                                 num_kv_heads, head_dim, dtype)
+    (ref, ref_k, ref_v), (out, out_k, out_v) = run_both(meta, q, k, v, k_cache, v_cache, block_size,
+                                                        **triton_kwargs)
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+HEADS = [(9, 3, 64), (4, 4, 128)]  # SmolLM2 GQA group of 3; plain multi-head at head_dim 128
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
+def test_decode_across_block_boundaries(num_heads, num_kv_heads, head_dim):
+    # seq_len = context + 1 lands on, just before and just after block (16) and key-tile (64) boundaries
+    context_lens = [0, 14, 15, 16, 31, 63, 64, 100]
+    check([1] * len(context_lens), context_lens, 16, num_heads, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
+def test_verify_mixed_with_decode_rows(num_heads, num_kv_heads, head_dim):
+    # verify rows (1 + num_spec_tokens = 2..8), plain decode rows and num_spec_tokens = 0 rows (query_len 1)
+    query_lens = [2, 1, 8, 5, 1, 3]
+    context_lens = [9, 30, 16, 0, 47, 70]
+    check(query_lens, context_lens, 16, num_heads, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_split_kv_matches(num_splits):
+    # block_n 16 -> up to 10 key tiles per sequence; the short sequences leave some splits empty
+    query_lens = [1, 4, 1, 16]
+    context_lens = [150, 20, 2, 60]
+    check(query_lens, context_lens, 16, 8, 2, 64, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
+def test_chunked_prefill_with_context(num_heads, num_kv_heads, head_dim):
+    # a first chunk (no context), later chunks after 50 / 100 cached tokens, lengths not multiples of a tile
+    check([40, 17, 33], [0, 50, 100], 16, num_heads, num_kv_heads, head_dim)
+
+
+def test_mixed_prefill_decode_verify_small_blocks():
+    # one step of continuous batching: prefill chunk + decode + verify, block_size 4, head_dim 48 (padded to 64)
+    check([1, 25, 4, 1], [12, 7, 0, 3], 4, 6, 2, 48, block_n=32)
+
+
+def test_padded_slots_are_not_written():
+    gen = torch.Generator().manual_seed(3)
+    block_size = 16
+    meta, q, k, v, k_cache, v_cache = make_batch(gen, [3, 1, 20], [5, 16, 8], block_size, 9, 3, 64)
+    real_slots = meta.slot_mapping.clone()
+    padded = torch.tensor([1, 3, 10, 23], device=DEVICE)  # tokens of every sequence, incl. the prefill chunk
+    meta.slot_mapping[padded] = -1
+    (ref, ref_k, ref_v), (out, out_k, out_v) = run_both(meta, q, k, v, k_cache, v_cache, block_size)
+    flat = (-1, 3, 64)
+    # the padded tokens' slots keep their old contents; every other token's K/V is in place
+    written = meta.slot_mapping >= 0
+    for cache, old, new in ((out_k, k_cache, k), (out_v, v_cache, v)):
+        assert torch.equal(cache.view(flat)[real_slots[padded]], old.view(flat)[real_slots[padded]])
+        assert torch.equal(cache.view(flat)[meta.slot_mapping[written]], new[written])
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_bfloat16_close_to_reference():
+    check([1, 3, 20], [30, 9, 5], 16, 8, 2, 64, atol=3e-2, dtype=torch.bfloat16)
+
+
+def test_forward_needs_prepare():
+    gen = torch.Generator().manual_seed(0)
+    meta, q, k, v, k_cache, v_cache = make_batch(gen, [1], [3], 16, 4, 2, 32)
+    with pytest.raises(AssertionError, match="prepare"):
+        TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)
+    TorchAttentionBackend().prepare(meta, 16)  # another backend's metadata is not ours
+    with pytest.raises(AssertionError, match="prepare"):
+        TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)
+
+
+def test_prepare_builds_tiles_and_short_ids():
+    meta = build_attention_metadata([1, 40, 3], [9, 140, 20], [[0], [1] * 9, [2, 3]], 16, DEVICE)
+    TritonAttentionBackend().prepare(meta, 16)
+    extra = meta.extra
+    assert extra["short_seq_ids"].tolist() == [0, 2]
+    assert extra["seq_lens"].tolist() == [9, 140, 20]
+    assert (extra["num_short"], extra["max_short_query_len"], extra["max_short_seq_len"]) == (2, 3, 20)
+    n, seqs, firsts = extra["prefill_tiles"][16]
+    assert n == 3 and seqs.tolist() == [1, 1, 1] and firsts.tolist() == [0, 16, 32]
+    n, seqs, firsts = extra["prefill_tiles"][64]
+    assert n == 1 and firsts.tolist() == [0]
+
+
+def test_prefill_tile_tokens():
+    assert [triton_attention.prefill_tile_tokens(g) for g in (1, 2, 3, 4, 8, 16)] == [64, 32, 16, 16, 16, 16]
+
+
+def test_default_backend_on_cuda_honours_the_disable_switch(monkeypatch):
+    from specserve.engine.model_runner import DISABLE_TRITON_ATTENTION_ENV, default_backend
+    cuda = torch.device("cuda")  # constructing a backend touches no device
+    monkeypatch.delenv(DISABLE_TRITON_ATTENTION_ENV, raising=False)
+    assert isinstance(default_backend(cuda, torch.bfloat16), TritonAttentionBackend)
+    monkeypatch.setenv(DISABLE_TRITON_ATTENTION_ENV, "1")
+    assert isinstance(default_backend(cuda, torch.bfloat16), TorchAttentionBackend)
+
+
+def test_cpu_paths_do_not_import_triton():
+    # The engine, CLI and drafters, and picking a CPU backend, must not load Triton (bf16: no C++ build).
+    code = (
+        "import sys\n"
+        "import torch\n"
+        "from specserve.engine.model_runner import default_backend\n"
+        "default_backend(torch.device('cpu'), torch.bfloat16)\n"
+        "import specserve.cli, specserve.engine.engine, specserve.spec.factory\n"
+        "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True, timeout=120)
+
+
+@st.composite
+def batches(draw):
+    num_seqs = draw(st.integers(1, 4))
+    # mostly decode / verify lengths, with prefill chunks (> MAX_PADDED_QUERY_LEN = 16) mixed in
+    query_lens = draw(st.lists(st.one_of(st.integers(1, 9), st.integers(1, 24)), min_size=num_seqs,
+                               max_size=num_seqs))
+    context_lens = draw(st.lists(st.one_of(st.just(0), st.integers(0, 80)), min_size=num_seqs, max_size=num_seqs))
+    block_size = draw(st.sampled_from([4, 16]))
+    num_heads, num_kv_heads = draw(st.sampled_from([(4, 2), (9, 3), (4, 4)]))
+    head_dim = draw(st.sampled_from([32, 64]))
+    num_splits = draw(st.sampled_from([None, 2, 3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits, seed
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_random_ragged_batches_match_torch_backend(batch):
+    query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits, seed = batch
+    check(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, seed=seed,
+          num_splits=num_splits, block_n=16)

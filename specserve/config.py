@@ -163,6 +163,9 @@ class TrainDraftConfig:
     anchors_per_seq: int = 128  # P-EAGLE: sampled anchor positions per sequence per pass
     anchor_chunk: int = 64  # P-EAGLE: anchors per forward/backward (memory bound of long sequences)
     checkpoint_every: int = 200
+    dataset_answers: bool = False  # also train on the prompt files' own answers (off-policy; train/data.py)
+    eval_every: int = 0  # steps between held-out estimates; the best head (estimated AL) is kept. 0: off
+    eval_samples: int = 256  # held-out samples used by those estimates
     max_train_seconds: float = 0.0  # 0: run every epoch; else fit the step count (and LR schedule) to this
     seed: int = 0
 
@@ -173,6 +176,8 @@ class TrainDraftConfig:
         _require(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", "must be in [0, 1]")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
+        _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")
+        _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
         _require(self.num_spec_tokens >= 1, "num_spec_tokens", "must be at least 1")
         _require(self.max_seq_len >= 4 and self.max_batch_tokens >= self.max_seq_len, "max_batch_tokens",
                  "must be at least max_seq_len (>= 4)")

@@ -11,7 +11,7 @@ from specserve.config import TrainDraftConfig
 _FLAGS = ("method", "num_layers", "draft_vocab_size", "max_new_tokens", "max_turns", "sampled_fraction",
           "sampling_temperature", "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len",
           "max_batch_tokens", "ttt_steps", "ttt_anchors", "num_spec_tokens", "anchors_per_seq", "anchor_chunk",
-          "checkpoint_every",
+          "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
           "max_generate_seconds", "max_train_seconds", "seed")
 
 
@@ -20,7 +20,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="+", default=[],
                    help="prompt files or directories (ShareGPT, Alpaca, {prompt,completion} jsonl, plain text)")
     p.add_argument("--out", required=True, help="output directory (head, checkpoint, data, report)")
-    p.add_argument("--data", default=None, help="reuse data_train.npz / data_held_out.npz from this directory")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="reuse data_train.npz / data_held_out.npz from these directories (concatenated)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -30,8 +31,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     for f in fields(TrainDraftConfig):
         if f.name in _FLAGS:
             value = getattr(defaults, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+                continue
             kw = {"choices": ["eagle3", "peagle"]} if f.name == "method" else {}
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value, **kw)
+            p.add_argument(flag, type=type(value), default=value, **kw)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,8 +10,10 @@ Formats, recognised per record (a JSON array, JSON lines, or a ``.txt`` file):
     prompt       {"prompt": ..., "completion": ...}, and {"question": ..., "answer": ...} (GSM8K)
     plain text   one prompt per non-empty line
 
-A conversation is the list of its user turns (system prompts kept first); assistant text from the file is
-dropped.
+A conversation is the list of its user turns (system prompts kept first). The file's own assistant text is
+kept apart in ``answers`` (``answers[i]`` follows user turn ``i``; the list stops at the first turn without
+one): regeneration never sees it; ``generate.dataset_samples`` can add it as off-policy text on which the
+target's own distribution is still the label (EAGLE, arXiv 2401.15077, trains on fixed data this way).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Conversation:
     user_turns: list[str]
     system: str | None = None
     source: str = ""
+    answers: list[str] = field(default_factory=list)  # the dataset's own assistant turns, see the module doc
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,6 +65,7 @@ def conversation_from_record(record: Any, source: str = "") -> Conversation | No
     turns = record.get("conversations") or record.get("messages")
     if isinstance(turns, list):
         users: list[str] = []
+        answers: list[str] = []
         system = None
         for t in turns:
             if not isinstance(t, dict):
@@ -74,15 +78,25 @@ def conversation_from_record(record: Any, source: str = "") -> Conversation | No
                 system = text
             elif role == "user":
                 users.append(text)
-        return Conversation(users, system, source) if users else None
+            elif role == "assistant" and users and len(answers) == len(users) - 1:
+                answers.append(text)  # the answer to the latest user turn (two in a row: the first is kept)
+        return Conversation(users, system, source, answers[:len(users)]) if users else None
     if "instruction" in record:
         extra = record.get("input") or ""
         text = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
-        return Conversation([text], source=source) if text.strip() else None
-    for key in ("prompt", "question", "text"):
+        return Conversation([text], source=source, answers=_answer(record, "output", "response")) \
+            if text.strip() else None
+    for key, answer_keys in (("prompt", ("completion",)), ("question", ("answer",)), ("text", ())):
         if isinstance(record.get(key), str) and record[key].strip():
-            return Conversation([record[key]], source=source)
+            return Conversation([record[key]], source=source, answers=_answer(record, *answer_keys))
     return None
+
+
+def _answer(record: dict, *keys: str) -> list[str]:
+    for key in keys:
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [record[key]]
+    return []
 
 
 def read_conversations(path: str | Path, limit: int | None = None, max_turns: int = 3,
@@ -98,6 +112,7 @@ def read_conversations(path: str | Path, limit: int | None = None, max_turns: in
         conv = conversation_from_record(record, path.name)
         if conv is not None:
             conv.user_turns = conv.user_turns[:max_turns]
+            conv.answers = conv.answers[:max_turns]
             out.append(conv)
     if limit is not None and len(out) > limit:
         out = random.Random(seed).sample(out, limit)

@@ -90,6 +90,37 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
     return samples, stats
 
 
+def dataset_samples(tokenizer, conversations: list[Conversation], max_len: int) -> tuple[list[Sample], dict]:
+    """Off-policy samples from the dataset's own answers (``Conversation.answers``): turn ``t`` renders the
+    conversation with the dataset's earlier answers, and its answer part is the chat template's rendering of
+    the dataset's answer ``t`` (closing tokens included). The head still learns the target's distribution: the
+    trainer's labels are the target's probabilities at every position, whoever wrote the text. Samples longer
+    than ``max_len`` are cut there (they still train on the answer's start); turns whose prompt alone reaches
+    it are skipped."""
+    samples: list[Sample] = []
+    stats = {"conversations": len(conversations), "samples": 0, "answer_tokens": 0, "skipped_long": 0,
+             "skipped_template": 0}
+    for conv in conversations:
+        for turn in range(len(conv.answers)):
+            prompt = _render(tokenizer, conv, conv.answers, turn)
+            if len(prompt) + 16 > max_len:
+                stats["skipped_long"] += 1
+                break
+            messages = [{"role": "system", "content": conv.system}] if conv.system else []
+            for i in range(turn + 1):
+                messages += [{"role": "user", "content": conv.user_turns[i]},
+                             {"role": "assistant", "content": conv.answers[i]}]
+            full = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+            if full[:len(prompt)] != prompt or len(full) <= len(prompt):  # the template re-tokenised the seam
+                stats["skipped_template"] += 1
+                continue
+            full = full[:max_len]
+            samples.append(Sample(full, len(prompt)))
+            stats["answer_tokens"] += len(full) - len(prompt)
+    stats["samples"] = len(samples)
+    return samples, stats
+
+
 def _run(engine, prompts: list[list[int]], params: list[SamplingParams], progress: bool, label: str):
     """``engine.generate`` with a progress bar: answers finished, tokens generated, tokens/s."""
     t0 = time.perf_counter()

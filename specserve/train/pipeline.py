@@ -22,9 +22,23 @@ import torch
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, TrainDraftConfig
 from specserve.train.data import expand_paths, read_conversations, split_held_out
-from specserve.train.generate import load_samples, regenerate, save_samples
+from specserve.train.generate import dataset_samples, load_samples, regenerate, save_samples
 from specserve.train.trainer import Trainer
 from specserve.train.vocab import coverage, draft_vocab, token_counts
+
+
+def load_conversations(cfg: TrainDraftConfig, prompt_files: list[Path], per_file_limit: int | None):
+    """(train conversations, held-out conversations, conversations per file): every file's conversations,
+    shuffled with the seed (a time-bounded run keeps a mix of every file) and split before any generation."""
+    conversations = []
+    per_file = {}
+    for f in prompt_files:
+        convs = read_conversations(f, per_file_limit, cfg.max_turns, cfg.seed)
+        per_file[str(f)] = len(convs)
+        conversations += convs
+    random.Random(cfg.seed).shuffle(conversations)
+    train, held = split_held_out(conversations, cfg.held_out_fraction, cfg.seed)
+    return train, held, per_file
 
 
 def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path], device: torch.device,
@@ -33,14 +47,7 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     """(train samples, held-out samples, stats): held-out conversations are split off before generation."""
     from specserve.engine.engine import LLMEngine
 
-    conversations = []
-    per_file = {}
-    for f in prompt_files:
-        convs = read_conversations(f, per_file_limit, cfg.max_turns, cfg.seed)
-        per_file[str(f)] = len(convs)
-        conversations += convs
-    random.Random(cfg.seed).shuffle(conversations)  # a time-bounded run keeps a mix of every file
-    train_convs, held_convs = split_held_out(conversations, cfg.held_out_fraction, cfg.seed)
+    train_convs, held_convs, per_file = load_conversations(cfg, prompt_files, per_file_limit)
     model, model_config, tokenizer = target_parts
     engine = LLMEngine(EngineConfig(device=str(device), cache=CacheConfig(kv_cache_memory_gib=kv_gib),
                                     scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -80,8 +87,9 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
 
 
 def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,
-                data_dir: str | None = None, per_file_limit: int | None = None, max_model_len: int = 2048,
-                max_num_seqs: int = 256, kv_gib: float = 8.0, progress: bool = True) -> dict:
+                data_dir: str | list[str] | None = None, per_file_limit: int | None = None,
+                max_model_len: int = 2048, max_num_seqs: int = 256, kv_gib: float = 8.0,
+                progress: bool = True) -> dict:
     from specserve.models.loader import load_model
 
     out = Path(out_dir)
@@ -93,10 +101,11 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
     model, model_config, tokenizer = parts
     report: dict = {"target": target, "config": asdict(cfg), "device": device_name,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    src = Path(data_dir) if data_dir else out
-    if (src / "data_train.npz").exists():
-        train, held = load_samples(src / "data_train.npz"), load_samples(src / "data_held_out.npz")
-        report["data"] = {"reused": str(src)}
+    sources = [Path(d) for d in ([data_dir] if isinstance(data_dir, str) else data_dir or [])] or [out]
+    if all((src / "data_train.npz").exists() for src in sources):  # earlier runs' samples, concatenated
+        train = [s for src in sources for s in load_samples(src / "data_train.npz")]
+        held = [s for src in sources for s in load_samples(src / "data_held_out.npz")]
+        report["data"] = {"reused": [str(src) for src in sources]}
     else:
         train, held, report["data"] = generate_data(parts, cfg, expand_paths(prompts), device, per_file_limit,
                                                     max_model_len, max_num_seqs, kv_gib, progress)
@@ -104,11 +113,16 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
         save_samples(held, out / "data_held_out.npz")
     report["num_train_samples"], report["num_held_out_samples"] = len(train), len(held)
     report["train_answer_tokens"] = sum(len(s.token_ids) - s.num_prompt for s in train)
-    counts = token_counts(train, model_config.vocab_size)
+    counts = token_counts(train, model_config.vocab_size)  # the target's own answers pick the draft vocabulary
     draft_ids = draft_vocab(counts, min(cfg.draft_vocab_size, model_config.vocab_size))
     report["draft_vocab_coverage"] = coverage(counts, draft_ids)
+    if cfg.dataset_answers and prompts:  # off-policy text from the training split's own answers
+        train_convs, _, _ = load_conversations(cfg, expand_paths(prompts), per_file_limit)
+        extra, report["dataset_answers"] = dataset_samples(tokenizer, train_convs, cfg.max_seq_len)
+        train = train + extra
     trainer = Trainer(model, model_config, cfg, draft_ids, device, out, progress)
-    report["log"] = trainer.fit(train)
+    report["log"] = trainer.fit(train, held)
+    report["best_step"] = trainer.best_step
     report["held_out"] = trainer.evaluate(held) if held else None
     report["files"] = export_head(trainer.head, out, target)
     report["seconds"] = time.perf_counter() - t0

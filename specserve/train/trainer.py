@@ -320,6 +320,7 @@ class Trainer:
         self.params = [p for name, p in self.head.named_parameters() if not name.startswith("target_embed.")]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
+        self.best_step: int | None = None  # the step whose head ``fit`` kept, when held-out estimates ran
         self.progress = progress
         self.autocast = device.type == "cuda"
 
@@ -352,8 +353,13 @@ class Trainer:
             merged.loss = float(sum(losses))
             return losses, merged
 
-    def fit(self, samples: list[Sample]) -> list[dict]:
+    def fit(self, samples: list[Sample], held_out: list[Sample] | None = None) -> list[dict]:
+        """Train until the planned steps (or the time budget) run out. With ``held_out`` and ``cfg.eval_every``,
+        every ``eval_every`` steps (and at the end) estimates the held-out AL on ``cfg.eval_samples`` samples and
+        keeps the best head: small data sets are memorised long before the budget ends."""
         cfg = self.cfg
+        probe = (held_out or [])[:cfg.eval_samples] if cfg.eval_every else []
+        best: tuple[float, int, dict] | None = None
         batches = make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed)
         total = planned = max(1, int(cfg.epochs * len(batches)))
         self._maybe_resume()
@@ -391,9 +397,20 @@ class Trainer:
             bar.update(1)
             if self.step % 50 == 0 or self.step == total:
                 log.append({"step": self.step, "loss": stats.loss, "acc_per_pos": acc})
+            if probe and (self.step % cfg.eval_every == 0 or self.step == total):
+                est = self.evaluate(probe)["estimated_al"]
+                score = est[min(5 if cfg.method == "eagle3" else cfg.num_spec_tokens, max(est))]
+                log.append({"step": self.step, "held_out_estimated_al": est})
+                if best is None or score > best[0]:
+                    best = (score, self.step, {k: v.detach().clone() for k, v in self.head_state().items()})
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         bar.close()
+        if best is not None:
+            self.best_step = best[1]
+            if best[1] != self.step:
+                self.head.load_state_dict(best[2], strict=False)
+                log.append({"step": self.step, "kept_step": best[1], "held_out_score": best[0]})
         self.save_checkpoint()
         return log
 
@@ -404,6 +421,7 @@ class Trainer:
         sequential drafting; for P-EAGLE the slots' joint matches)."""
         self.head.eval()
         cfg = self.cfg
+        anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the same anchors every call: comparable
         correct = count = None
         runs_all = []
         steps = max(max_k, cfg.ttt_steps if cfg.method == "eagle3" else cfg.num_spec_tokens)
@@ -417,7 +435,7 @@ class Trainer:
                     _, stats = eagle3_loss(self.head, tgt, batch, steps, cfg.step_weight_decay, None, runs)
                     runs_all.append(runs[_shift(batch.answer, 2, False)])
                 else:
-                    anchors = sample_anchors(batch, cfg.anchors_per_seq, self.gen)
+                    anchors = sample_anchors(batch, cfg.anchors_per_seq, anchor_gen)
                     _, stats = peagle_loss(self.head, tgt, batch, min(steps, cfg.num_spec_tokens),
                                            cfg.step_weight_decay, anchors, real_loss=True)
             correct = stats.correct if correct is None else [a + b for a, b in zip(correct, stats.correct)]

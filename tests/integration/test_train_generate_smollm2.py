@@ -55,3 +55,23 @@ def test_sampled_answers_are_reproducible(engine) -> None:
     runs = [regenerate(engine, engine.tokenizer, CONVERSATIONS[1:], max_new_tokens=12, sampled_fraction=1.0,
                        temperature=1.0, seed=7, progress=False)[0] for _ in range(2)]
     assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
+
+
+def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> None:
+    from specserve.train.generate import _render, dataset_samples
+
+    tok = engine.tokenizer
+    conv = Conversation(["What is 2 + 3?", "And times 4?"], system="Answer briefly.",
+                        answers=["5.", "It is 20, because four times five is twenty, as anyone can check."])
+    samples, stats = dataset_samples(tok, [conv, Conversation(["No answer in the file."])], 1024)
+    assert stats["samples"] == len(samples) == 2 and stats["skipped_template"] == 0
+    for turn, s in enumerate(samples):
+        # the prompt is what regeneration renders (the file's earlier answers as history) ...
+        assert s.token_ids[:s.num_prompt] == _render(tok, conv, conv.answers, turn)
+        # ... and the answer is the file's own text, closed as the chat template closes a turn
+        answer = tok.decode(s.token_ids[s.num_prompt:], skip_special_tokens=False)
+        assert answer.startswith(conv.answers[turn] + "<|im_end|>")
+    max_len = samples[1].num_prompt + 18
+    assert len(samples[1].token_ids) > max_len
+    cut, _ = dataset_samples(tok, [conv], max_len)  # the long answer is cut at max_len, the short one kept
+    assert [len(s.token_ids) for s in cut] == [len(samples[0].token_ids), max_len]

@@ -29,9 +29,9 @@ VOCAB = 97
 def tiny_trainer(method: str, tmp_path, num_layers: int = 1, seed: int = 0, **cfg) -> tuple[Trainer, object]:
     engine = tiny_engine(seed=seed)
     draft_ids = torch.arange(0, VOCAB, 2)  # every other id: the d2t mapping is exercised
-    config = TrainDraftConfig(method=method, num_layers=num_layers, draft_vocab_size=len(draft_ids),
-                              max_seq_len=64, max_batch_tokens=256, warmup_steps=1, lr=3e-3, ttt_steps=4,
-                              num_spec_tokens=4, anchors_per_seq=16, anchor_chunk=8, seed=seed, **cfg)
+    config = TrainDraftConfig(**{**dict(method=method, num_layers=num_layers, draft_vocab_size=len(draft_ids),
+                                        max_seq_len=64, max_batch_tokens=256, warmup_steps=1, lr=3e-3, ttt_steps=4,
+                                        num_spec_tokens=4, anchors_per_seq=16, anchor_chunk=8, seed=seed), **cfg})
     trainer = Trainer(engine.runner.model, engine.model_config, config, draft_ids, torch.device("cpu"), tmp_path,
                       progress=False)
     with torch.no_grad():  # a random head drafts near-uniformly; sharpen it so argmaxes are not near-ties
@@ -63,6 +63,14 @@ def test_every_prompt_format_is_read(tmp_path) -> None:
     assert [c.user_turns for c in read_conversations(tmp_path / "pc.jsonl")] == [["p1"], ["q?"]]
     assert [c.user_turns for c in read_conversations(tmp_path / "plain.txt")] == [["first line"], ["second line"]]
     assert read_conversations(tmp_path / "share.json", max_turns=1)[0].user_turns == ["hi"]
+    # the files' own answers are kept apart (off-policy samples), aligned with the user turns they follow
+    assert share[0].answers == ["hello"]
+    assert [c.answers for c in read_conversations(tmp_path / "alpaca.json")] == [["5"], ["hi"]]
+    assert [c.answers for c in read_conversations(tmp_path / "pc.jsonl")] == [["c1"], ["a"]]
+    assert [c.answers for c in read_conversations(tmp_path / "plain.txt")] == [[], []]
+    two_in_a_row = {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                                 {"role": "assistant", "content": "a1 again"}, {"role": "user", "content": "u2"}]}
+    assert conversation_from_record(two_in_a_row).answers == ["a1"]
     assert conversation_from_record({"messages": [{"role": "user", "content": "x"}]}).user_turns == ["x"]
     assert conversation_from_record({"unrelated": 1}) is None
 
@@ -254,6 +262,21 @@ def test_fit_resumes_from_its_checkpoint(tmp_path) -> None:
     assert set(report["estimated_al"]) == {1, 2, 3}
     als = list(report["estimated_al"].values())
     assert all(1.0 <= a <= 1 + k for k, a in zip((1, 2, 3), als)) and als == sorted(als)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_fit_keeps_the_head_with_the_best_held_out_estimate(tmp_path, method: str) -> None:
+    trainer, engine = tiny_trainer(method, tmp_path, num_layers=1 if method == "eagle3" else 2, epochs=6.0,
+                                   eval_every=2, eval_samples=3, lr=3e-2)  # a high LR: the estimate moves
+    samples = greedy_samples(engine, 8)
+    log = trainer.fit(samples[:6], samples[6:])
+    k = 5 if method == "eagle3" else trainer.cfg.num_spec_tokens
+    scores = {e["step"]: e["held_out_estimated_al"][min(k, max(e["held_out_estimated_al"]))]
+              for e in log if "held_out_estimated_al" in e}
+    assert len(scores) == trainer.step // 2 + (trainer.step % 2 > 0)
+    assert trainer.best_step == max(scores, key=lambda step: (scores[step], -step))
+    est = trainer.evaluate(samples[6:])["estimated_al"]  # the head it kept scores what it scored then
+    assert est[min(k, max(est))] == pytest.approx(max(scores.values()))
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

@@ -52,12 +52,13 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
-               seed: int = 0, quantized_cpu_kernels: bool = True):
+               seed: int = 0, quantized_cpu_kernels: bool = True, quantization: str | None = None):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
     "dummy:<shape>" (random weights; no tokenizer). With ``quantized_cpu_kernels``, a GGUF's Q4_1 / Q8_0
-    matrices also stay in block form for the CPU kernel (fp32 on CPU only).
+    matrices also stay in block form for the CPU kernel (fp32 on CPU only). ``quantization`` "fp8" / "int4"
+    quantizes the decoder layers' projections after loading (``models/quantize.py``).
     """
     dtype = resolve_dtype(dtype_name, device)
     if model.startswith("dummy:"):
@@ -65,6 +66,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
         net = build_model(config, max_pos, dtype, device)
         _init_dummy(net, seed)
+        _quantize(net, quantization)
         net.pack_weights()
         return net, config, None
     if model == "default":
@@ -86,7 +88,16 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
     net = build_model(config, max_pos, dtype, device)
     net.load_hf_state_dict(state)
+    del state
+    _quantize(net, quantization)
     net.pack_weights()
-    if quantized and quantized_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+    if quantized and quantized_cpu_kernels and quantization is None and device.type == "cpu" \
+            and dtype == torch.float32:
         net.attach_quantized(quantized)
     return net, config, tokenizer
+
+
+def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
+    if quantization is not None:
+        from specserve.models.quantize import quantize_model
+        quantize_model(net, quantization)

@@ -264,3 +264,16 @@ def test_load_model_quantizes_a_dummy_checkpoint(method: str) -> None:
     model, config, _ = load_model("dummy:smollm2-135m", "float32", torch.device("cpu"), 256, quantization=method)
     kinds = {type(m).__name__ for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj)}
     assert kinds == {"Fp8Linear" if method == "fp8" else "Int4Linear"}
+
+
+@pytest.mark.slow
+def test_w4a16_kernel_compiles_for_sm90() -> None:
+    """Lower every tile configuration for sm_90 (tests/unit/w4a16_compile_check.py): the interpreter never does."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": root}
+    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "w4a16_compile_check.py")],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -18,6 +18,8 @@ Triton is imported by this module only; callers import it lazily on the CUDA pat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +77,7 @@ def _tile_config(m: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cpu":
         return 4  # the interpreter: a few splits still exercise the split-K path

@@ -13,7 +13,7 @@ from torch import nn
 
 from specserve.config import QUANTIZATION_METHODS
 from specserve.layers.linear import Linear
-from specserve.layers.quant_gpu import INT4_GROUP_SIZE, Fp8Linear, Int4Linear
+from specserve.layers.quant_gpu import INT4_GROUP_SIZE, Fp8Linear, Int4Linear, fp8_supported
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -24,6 +24,8 @@ def quantize_linear(linear: nn.Linear, method: str, group_size: int = INT4_GROUP
     weight = linear.weight.detach()  # [out_features, in_features]
     bias = None if linear.bias is None else linear.bias.detach()
     if method == "fp8":
+        if use_kernel is None and weight.device.type != "cpu" and not fp8_supported(weight.device):
+            raise ValueError(f"quantization: fp8 needs torch._scaled_mm on an sm_89+ GPU; {weight.device} is not one")
         return Fp8Linear(weight, bias, use_scaled_mm=use_kernel)
     if method == "int4":
         return Int4Linear(weight, bias, group_size, use_triton=use_kernel)

@@ -438,6 +438,14 @@ def summarize(rep: Report) -> None:
     ours = get("e2e", "specserve", "none", "1", "tok_s")
     hf_best = max((v for v in (get("e2e", "hf", "eager", "1", "tok_s"), get("e2e", "hf", "compiled", "1", "tok_s"))
                    if v is not None), default=None)
+    d["definitions"] = {
+        "hbm_floor_s": "(weight bytes read per step + KV bytes read per step) / copy_bandwidth_gb_s (read + write)",
+        "floor_fraction": "hbm_floor_s / median engine decode step (1.0 = at the memory-bandwidth floor)",
+        "verify vs_decode": "target forward + LM head over q tokens per request / the same with q = 1, same batch",
+        "speedup_vs_bf16": "bf16 median decode step / quantized median decode step, same batch",
+        "e2e tok_s": "output tokens of all requests / wall time of LLMEngine.generate (prefill included)",
+        "e2e_vs_hf_c1": "specserve (no speculation) c=1 tok/s / the best HF generate c=1 tok/s (compiled if run)",
+    }
     d["summary"] = {
         "decode_b1_floor_fraction": get("decode", "by_batch", "1", "floor_fraction"),
         "verify8_vs_decode_b32": get("verify", "by_batch", "32", "vs_decode", "8"),

@@ -13,7 +13,7 @@ from torch import nn
 
 from specserve.config import QUANTIZATION_METHODS
 from specserve.layers.linear import Linear
-from specserve.layers.quant_gpu import INT4_GROUP_SIZE, Fp8Linear, Int4Linear, fp8_supported
+from specserve.layers.quant_gpu import INT4_GROUP_SIZE, Fp8Linear, Int4Linear, fp8_supported, pack_int4
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -50,3 +50,29 @@ def quantize_model(model: nn.Module, method: str, group_size: int = INT4_GROUP_S
             count += 1
     model.quantization = method
     return count
+
+
+# AutoAWQ's "gemm" checkpoints pack 8 output columns per int32 along N, nibble i holding column 8 * c + order[i].
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_awq(
+    packed: torch.Tensor,  # [rows, out_features // 8] int32 (AWQ qweight or qzeros)
+) -> torch.Tensor:  # [rows, out_features] uint8 in [0, 15]
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * 4
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [rows, out // 8, 8]: nibble i = column order[i]
+    columns = torch.empty_like(nibbles)
+    columns[..., list(AWQ_PACK_ORDER)] = nibbles
+    return columns.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def awq_to_int4(
+    qweight: torch.Tensor,  # [in_features, out_features // 8] int32, AWQ layout
+    qzeros: torch.Tensor,  # [in_features // group_size, out_features // 8] int32, AWQ layout
+    scales: torch.Tensor,  # [in_features // group_size, out_features]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AWQ (AutoAWQ "gemm" version) linear's tensors in ``Int4Linear``'s layout: ``(qweight [K // 8, N] int32,
+    scales [K // g, N], zeros [K // g, N])``. AWQ dequantizes as ``(q - z) * s``, exactly as we do, so the
+    conversion only repacks (along K instead of N, natural nibble order) and widens the zero points. Not yet
+    wired into the safetensors loader: checked against a packer written from AutoAWQ's, not a real checkpoint."""
+    return pack_int4(unpack_awq(qweight)), scales, unpack_awq(qzeros).to(scales.dtype)

@@ -277,3 +277,29 @@ def test_w4a16_kernel_compiles_for_sm90() -> None:
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "w4a16_compile_check.py")],
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def _awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's packing loop (WQLinear_GEMM.from_linear), transcribed: nibble i of word c = column 8c + order[i]."""
+    from specserve.models.quantize import AWQ_PACK_ORDER
+    rows, n = q.shape
+    packed = torch.zeros(rows, n // 8, dtype=torch.int64)
+    for c in range(n // 8):
+        for i, col in enumerate(AWQ_PACK_ORDER):
+            packed[:, c] |= q[:, 8 * c + col].to(torch.int64) << (4 * i)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def test_awq_tensors_convert_to_our_layout() -> None:
+    from specserve.models.quantize import awq_to_int4
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 256, generator=gen)  # [N, K]
+    qweight, scales, zeros = quantize_int4(w, 128)
+    q = unpack_int4(qweight)  # [K, N]
+    awq_q, awq_z = _awq_pack(q), _awq_pack(zeros.to(torch.uint8))
+    assert awq_q.shape == (256, 3) and awq_z.shape == (2, 3)
+    got = awq_to_int4(awq_q, awq_z, scales)
+    assert torch.equal(got[0], qweight) and torch.equal(got[1], scales) and torch.equal(got[2], zeros)
+    layer = Int4Linear.from_quantized(*got, use_triton=False)
+    x = torch.randn(3, 256, generator=gen)
+    torch.testing.assert_close(layer(x), x @ dequantize_int4(qweight, scales, zeros).t())

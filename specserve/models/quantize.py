@@ -76,3 +76,47 @@ def awq_to_int4(
     conversion only repacks (along K instead of N, natural nibble order) and widens the zero points. Not yet
     wired into the safetensors loader: checked against a packer written from AutoAWQ's, not a real checkpoint."""
     return pack_int4(unpack_awq(qweight)), scales, unpack_awq(qzeros).to(scales.dtype)
+
+
+def awq_quant_config(hf_config: dict) -> dict | None:
+    """The ``quantization_config`` of an AWQ checkpoint's config.json, or None for an unquantized one. Raises
+    ValueError naming ``quantization`` for AWQ variants we cannot run (not 4-bit, no zero points, not "gemm")."""
+    qc = hf_config.get("quantization_config") or {}
+    if str(qc.get("quant_method", "")).lower() != "awq":
+        return None
+    if int(qc.get("bits", qc.get("w_bit", 4))) != 4 or not qc.get("zero_point", True) \
+            or str(qc.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"quantization: only 4-bit AWQ 'gemm' checkpoints with zero points are supported, got {qc}")
+    return qc
+
+
+@torch.no_grad()
+def load_awq_projections(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                         use_kernel: bool | None = None) -> int:
+    """Give every decoder layer of ``model`` ``Int4Linear`` projections made from the AWQ tensors in ``state``
+    (HF names ``<proj>.qweight / .qzeros / .scales``; q|k|v and gate|up fused along N as our layers are), and
+    pop those tensors from ``state``. ``load_hf_state_dict`` then loads the rest and skips these layers."""
+    device = model.embed_tokens.weight.device
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ValueError(f"checkpoint is missing AWQ tensor {name}")
+        return state.pop(name)
+
+    count = 0
+    for i, layer in enumerate(model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        sources = ([a + "q_proj", a + "k_proj", a + "v_proj"], [a + "o_proj"], [m + "gate_proj", m + "up_proj"],
+                   [m + "down_proj"])
+        for (parent_name, name), parts in zip(PROJECTIONS, sources):
+            converted = [awq_to_int4(take(p + ".qweight"), take(p + ".qzeros"), take(p + ".scales").to(dtype))
+                         for p in parts]
+            qweight, scales, zeros = (torch.cat([c[j] for c in converted], dim=1).to(device) for j in range(3))
+            bias = None
+            if all(p + ".bias" in state for p in parts):
+                bias = torch.cat([state.pop(p + ".bias") for p in parts]).to(device, dtype)
+            setattr(getattr(layer, parent_name), name,
+                    Int4Linear.from_quantized(qweight, scales, zeros, bias, use_triton=use_kernel))
+            count += 1
+    model.quantization = "awq"
+    return count

@@ -183,6 +183,7 @@ def test_scaled_mm_computes_the_reference() -> None:
 
 
 # ---- whole models ----------------------------------------------------------------------------------------------
+@torch.inference_mode()
 def _logits(engine, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     hidden, _ = engine.runner.forward(ids, list(range(n)), [n], [n], [list(range(-(-n // 4)))])
@@ -303,3 +304,48 @@ def test_awq_tensors_convert_to_our_layout() -> None:
     layer = Int4Linear.from_quantized(*got, use_triton=False)
     x = torch.randn(3, 256, generator=gen)
     torch.testing.assert_close(layer(x), x @ dequantize_int4(qweight, scales, zeros).t())
+
+
+def test_awq_checkpoint_state_loads_into_int4_layers() -> None:
+    """A model whose AWQ-format state dict was made from an int4-quantized tiny model loads back into Int4Linear
+    layers (q|k|v and gate|up fused again) and gives exactly that model's logits."""
+    from specserve.models.loader import build_model
+    from specserve.models.quantize import PROJECTIONS, awq_quant_config, load_awq_projections
+    source = tiny_engine("qwen2", quantization="int4")  # qwen2: q/k/v biases too
+    model, config = source.runner.model, source.model_config
+    state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+             "lm_head.weight": model.lm_head.weight}
+    splits = {"qkv_proj": (["q_proj", "k_proj", "v_proj"], [config.num_attention_heads * config.head_dim,
+                                                            config.num_key_value_heads * config.head_dim,
+                                                            config.num_key_value_heads * config.head_dim]),
+              "o_proj": (["o_proj"], None), "gate_up_proj": (["gate_proj", "up_proj"], [config.intermediate_size] * 2),
+              "down_proj": (["down_proj"], None)}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        state |= {p + "input_layernorm.weight": layer.input_layernorm.weight,
+                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+        for parent_name, name in PROJECTIONS:
+            module = getattr(getattr(layer, parent_name), name)
+            names, sizes = splits[name]
+            sizes = sizes or [module.out_features]
+            q_parts = unpack_int4(module.qweight).split(sizes, dim=1)
+            s_parts, z_parts = module.scales.split(sizes, dim=1), module.zeros.split(sizes, dim=1)
+            for part, q, s, z in zip(names, q_parts, s_parts, z_parts):
+                key = f"{p}{parent_name}.{part}"
+                state |= {key + ".qweight": _awq_pack(q), key + ".qzeros": _awq_pack(z.to(torch.uint8)),
+                          key + ".scales": s}
+            if module.bias is not None:
+                for part, b in zip(names, module.bias.split(sizes)):
+                    state[f"{p}{parent_name}.{part}.bias"] = b
+    assert awq_quant_config({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemm"}})
+    assert awq_quant_config({}) is None
+    with pytest.raises(ValueError, match="quantization"):
+        awq_quant_config({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}})
+    loaded = build_model(config, config.max_position_embeddings, torch.float32, torch.device("cpu"))
+    assert load_awq_projections(loaded, state, torch.float32) == 4 * config.num_hidden_layers
+    loaded.load_hf_state_dict({k: v.detach() for k, v in state.items()})
+    loaded.pack_weights()
+    target = tiny_engine("qwen2")
+    target.runner.model = loaded
+    ids = prompts([12])[0]
+    torch.testing.assert_close(_logits(target, ids), _logits(source, ids), atol=0, rtol=0)

@@ -91,15 +91,21 @@ class Fp8Linear(nn.Module):
     """A projection with e4m3 weights and one fp32 scale per output channel. ``use_scaled_mm`` None picks
     ``torch._scaled_mm`` on accelerators and the reference maths on CPU."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_scaled_mm: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_scaled_mm: bool | None = None) -> None:
         super().__init__()
-        out_features, in_features = weight.shape
-        w_q, w_scale = quantize_fp8_rows(weight)
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", w_q)  # [out_features, in_features] float8_e4m3fn
-        self.register_buffer("weight_scale", w_scale.reshape(1, out_features).contiguous())  # [1, out] float32
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())  # [out_features]
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # [out_features, in_features] float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale.reshape(1, -1).contiguous())  # [1, out_features] fp32
+        self.register_buffer("bias", bias)  # [out_features] or None
         self.use_scaled_mm = use_scaled_mm
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   use_scaled_mm: bool | None = None) -> Fp8Linear:
+        """Quantize ``weight [out_features, in_features]`` with one scale per output channel."""
+        w_q, w_scale = quantize_fp8_rows(weight.detach())
+        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm)
 
     def forward(
         self,
@@ -206,33 +212,26 @@ def int4_linear_reference(
 class Int4Linear(nn.Module):
     """A projection with group-wise 4-bit weights (see the module docstring for the layout). ``use_triton`` None
     runs the Triton W4A16 kernel on CUDA tensors and the torch reference elsewhere; True forces the kernel (e.g.
-    under ``TRITON_INTERPRET=1`` on CPU)."""
+    under ``TRITON_INTERPRET=1`` on CPU). Build it from quantized tensors (e.g. an AWQ checkpoint's, converted)
+    or with ``from_float``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
-                 use_triton: bool | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
         super().__init__()
-        out_features, in_features = weight.shape
-        self.in_features, self.out_features = in_features, out_features
-        self.group_size = int4_group_size_for(in_features, group_size)
-        qweight, scales, zeros = quantize_int4(weight, self.group_size)
+        self.in_features, self.out_features = qweight.shape[0] * 8, qweight.shape[1]
+        self.group_size = self.in_features // scales.shape[0]
         self.register_buffer("qweight", qweight)  # [in_features // 8, out_features] int32
         self.register_buffer("scales", scales)  # [in_features // group_size, out_features]
         self.register_buffer("zeros", zeros)  # [in_features // group_size, out_features]
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())  # [out_features]
+        self.register_buffer("bias", bias)  # [out_features] or None
         self.use_triton = use_triton
 
     @classmethod
-    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       bias: torch.Tensor | None = None, use_triton: bool | None = None) -> Int4Linear:
-        """Wrap already-quantized tensors in this module's layout (e.g. converted from an AWQ checkpoint)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = qweight.shape[0] * 8, qweight.shape[1]
-        self.group_size = self.in_features // scales.shape[0]
-        for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
-            self.register_buffer(name, t)
-        self.use_triton = use_triton
-        return self
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
+                   use_triton: bool | None = None) -> Int4Linear:
+        """Quantize ``weight [out_features, in_features]`` (round to nearest, ``int4_group_size_for`` groups)."""
+        qweight, scales, zeros = quantize_int4(weight, int4_group_size_for(weight.shape[1], group_size))
+        return cls(qweight, scales, zeros, None if bias is None else bias.detach().clone(), use_triton)
 
     def forward(
         self,

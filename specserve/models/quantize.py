@@ -26,9 +26,9 @@ def quantize_linear(linear: nn.Linear, method: str, group_size: int = INT4_GROUP
     if method == "fp8":
         if use_kernel is None and weight.device.type != "cpu" and not fp8_supported(weight.device):
             raise ValueError(f"quantization: fp8 needs torch._scaled_mm on an sm_89+ GPU; {weight.device} is not one")
-        return Fp8Linear(weight, bias, use_scaled_mm=use_kernel)
+        return Fp8Linear.from_float(weight, bias, use_scaled_mm=use_kernel)
     if method == "int4":
-        return Int4Linear(weight, bias, group_size, use_triton=use_kernel)
+        return Int4Linear.from_float(weight, bias, group_size, use_triton=use_kernel)
     raise ValueError(f"quantization: unknown method {method!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
 
 
@@ -116,7 +116,7 @@ def load_awq_projections(model: nn.Module, state: dict[str, torch.Tensor], dtype
             if all(p + ".bias" in state for p in parts):
                 bias = torch.cat([state.pop(p + ".bias") for p in parts]).to(device, dtype)
             setattr(getattr(layer, parent_name), name,
-                    Int4Linear.from_quantized(qweight, scales, zeros, bias, use_triton=use_kernel))
+                    Int4Linear(qweight, scales, zeros, bias, use_triton=use_kernel))
             count += 1
     model.quantization = "awq"
     return count

@@ -138,8 +138,8 @@ def test_int4_linear_module_uses_the_kernel_when_asked(w4a16) -> None:
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
     x = torch.randn(9, 64, generator=gen).to(DEVICE)
-    kernel = Int4Linear(w, b, use_triton=True).to(DEVICE)
-    reference = Int4Linear(w, b, use_triton=False).to(DEVICE)
+    kernel = Int4Linear.from_float(w, b, use_triton=True).to(DEVICE)
+    reference = Int4Linear.from_float(w, b, use_triton=False).to(DEVICE)
     assert kernel.group_size == 64
     torch.testing.assert_close(kernel(x), reference(x), atol=1e-4, rtol=1e-4)
 
@@ -160,7 +160,7 @@ def test_fp8_linear_close_to_bf16() -> None:
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(96, 256, generator=gen) / 16).to(torch.bfloat16)
     x = torch.randn(11, 256, generator=gen).to(torch.bfloat16)
-    layer = Fp8Linear(w, None)
+    layer = Fp8Linear.from_float(w, None)
     assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (1, 96)
     out, ref = layer(x).float(), (x.float() @ w.float().t())
     assert ((out - ref).norm() / ref.norm()).item() < 0.05
@@ -173,7 +173,7 @@ def test_scaled_mm_computes_the_reference() -> None:
     w = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
     x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
     b = torch.randn(64, generator=gen).to(torch.bfloat16)
-    layer = Fp8Linear(w, b)
+    layer = Fp8Linear.from_float(w, b)
     try:
         out = fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias)
     except (RuntimeError, NotImplementedError) as exc:
@@ -301,7 +301,7 @@ def test_awq_tensors_convert_to_our_layout() -> None:
     assert awq_q.shape == (256, 3) and awq_z.shape == (2, 3)
     got = awq_to_int4(awq_q, awq_z, scales)
     assert torch.equal(got[0], qweight) and torch.equal(got[1], scales) and torch.equal(got[2], zeros)
-    layer = Int4Linear.from_quantized(*got, use_triton=False)
+    layer = Int4Linear(*got, use_triton=False)
     x = torch.randn(3, 256, generator=gen)
     torch.testing.assert_close(layer(x), x @ dequantize_int4(qweight, scales, zeros).t())
 

@@ -6,7 +6,15 @@ import argparse
 import logging
 import sys
 
-from specserve.config import MAX_NUM_SPEC_TOKENS, SPEC_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specserve.config import (
+    MAX_NUM_SPEC_TOKENS,
+    QUANTIZATION_METHODS,
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +32,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda:0")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="quantize the decoder layers' projections on load: fp8 (e4m3 weights per channel, "
+                        "activations per token, torch._scaled_mm on GPU) or int4 (weight-only, groups of 128, "
+                        "Triton W4A16 GEMM on GPU); CPU runs reference maths")
     g.add_argument("--no-quantized-cpu-kernels", action="store_true",
                    help="on CPU, compute with dequantized fp32 weights instead of the GGUF's Q4_1/Q8_0 blocks")
     g = p.add_argument_group("KV cache")
@@ -83,7 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = f"dummy:{args.model_shape}" if args.load_format == "dummy" else args.model
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
-        seed=args.seed, quantized_cpu_kernels=not args.no_quantized_cpu_kernels,
+        seed=args.seed, quantized_cpu_kernels=not args.no_quantized_cpu_kernels, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_gib=args.kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

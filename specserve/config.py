@@ -81,6 +81,7 @@ class SchedulerConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
 
 
+QUANTIZATION_METHODS = ("fp8", "int4")
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
 # Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
 SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
@@ -125,6 +126,10 @@ class EngineConfig:
     seed: int = 0
     # Run a GGUF's Q4_1 / Q8_0 matrices straight from their blocks on CPU (same weights, fewer bytes).
     quantized_cpu_kernels: bool = True
+    # Quantize the decoder layers' projections on load (models/quantize.py): None keeps the checkpoint's dtype;
+    # "fp8" = e4m3 weights per output channel, activations per token (torch._scaled_mm on GPU); "int4" =
+    # weight-only, group-wise asymmetric 4-bit (AWQ-style, Triton W4A16 GEMM on GPU). CPU runs reference maths.
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
@@ -132,6 +137,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"unsupported dtype {self.dtype!r}")
+        _require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
+                 f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), not {self.quantization!r}")
 
 
 @dataclass

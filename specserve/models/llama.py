@@ -236,18 +236,24 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
             a = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(
-                [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]))
-            if self.config.attention_bias:
+            attn, mlp = self.layers[i].self_attn, self.layers[i].mlp
+            if isinstance(attn.qkv_proj, Linear):  # else loaded already quantized (models/quantize.py, AWQ)
+                put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                    [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]))
+            if self.config.attention_bias and isinstance(attn.qkv_proj, Linear):
                 put(dst + "self_attn.qkv_proj.bias", torch.cat(
                     [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]))
-            put(dst + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
+            if isinstance(attn.o_proj, Linear):
+                put(dst + "self_attn.o_proj.weight", take(a + "o_proj.weight"))
             if self.config.qk_norm:
                 put(dst + "self_attn.q_norm.weight", take(a + "q_norm.weight"))
                 put(dst + "self_attn.k_norm.weight", take(a + "k_norm.weight"))
             m = src + "mlp."
-            put(dst + "mlp.gate_up_proj.weight", torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-            put(dst + "mlp.down_proj.weight", take(m + "down_proj.weight"))
+            if isinstance(mlp.gate_up_proj, Linear):
+                put(dst + "mlp.gate_up_proj.weight",
+                    torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+            if isinstance(mlp.down_proj, Linear):
+                put(dst + "mlp.down_proj.weight", take(m + "down_proj.weight"))
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

@@ -52,12 +52,14 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
-               seed: int = 0, quantized_cpu_kernels: bool = True):
+               seed: int = 0, quantized_cpu_kernels: bool = True, quantization: str | None = None):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
     "dummy:<shape>" (random weights; no tokenizer). With ``quantized_cpu_kernels``, a GGUF's Q4_1 / Q8_0
-    matrices also stay in block form for the CPU kernel (fp32 on CPU only).
+    matrices also stay in block form for the CPU kernel (fp32 on CPU only). ``quantization`` "fp8" / "int4"
+    quantizes the decoder layers' projections after loading (``models/quantize.py``); an AWQ checkpoint directory
+    (4-bit "gemm", config.json ``quantization_config.quant_method == "awq"``) loads its projections as int4.
     """
     dtype = resolve_dtype(dtype_name, device)
     if model.startswith("dummy:"):
@@ -65,6 +67,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
         net = build_model(config, max_pos, dtype, device)
         _init_dummy(net, seed)
+        _quantize(net, quantization)
         net.pack_weights()
         return net, config, None
     if model == "default":
@@ -75,18 +78,37 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     if not path.exists():
         raise FileNotFoundError(f"model: {path} does not exist")
     quantized: dict = {}
+    awq = None
     if path.is_file() and path.suffix == ".gguf":
         from specserve.models.gguf_loader import read_gguf
         config, state, tokenizer, quantized = read_gguf(path, torch.float32)
     elif path.is_dir():
+        import json
+
+        from specserve.models.quantize import awq_quant_config
         from specserve.models.safetensors_loader import load_hf_dir
+        awq = awq_quant_config(json.loads((path / "config.json").read_text()))
+        if awq is not None and quantization is not None:
+            raise ValueError(f"quantization: {path} is an AWQ checkpoint already; leave --quantization unset")
         config, state, tokenizer = load_hf_dir(path, torch.float32)
     else:
         raise ValueError(f"model: {path} is neither a .gguf file nor a Hugging Face directory")
     max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
     net = build_model(config, max_pos, dtype, device)
+    if awq is not None:  # 4-bit projections straight from the checkpoint (models/quantize.py)
+        from specserve.models.quantize import load_awq_projections
+        load_awq_projections(net, state, dtype)
     net.load_hf_state_dict(state)
+    del state
+    _quantize(net, quantization)
     net.pack_weights()
-    if quantized and quantized_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+    if quantized and quantized_cpu_kernels and quantization is None and device.type == "cpu" \
+            and dtype == torch.float32:
         net.attach_quantized(quantized)
     return net, config, tokenizer
+
+
+def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
+    if quantization is not None:
+        from specserve.models.quantize import quantize_model
+        quantize_model(net, quantization)

@@ -73,7 +73,8 @@ def _shard_files(path: Path) -> list[Path]:
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32
                 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Load ``config.json``, the safetensors weights (cast to ``dtype``) and the tokenizer of ``path``."""
+    """Load ``config.json``, the safetensors weights (floating-point ones cast to ``dtype``; integer ones, e.g. an
+    AWQ checkpoint's packed 4-bit weights, as stored) and the tokenizer of ``path``."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     tokenizer = Tokenizer.from_hf_dir(path)
@@ -85,7 +86,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _shard_files(path):
         for name, tensor in load_file(str(shard)).items():
-            state_dict[name] = tensor.to(dtype)
+            state_dict[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor  # AWQ's packed int32
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the engine ties it to model.embed_tokens.weight
     return config, state_dict, tokenizer

@@ -1,0 +1,521 @@
+"""Engine speed on one GPU, in one run (issue 6 item 5; GPU machine, not CI). Prints a table and writes JSON:
+
+1. decode: the engine's decode step on the Llama-3.1-8B shape (bf16, dummy weights) at batch 1, 8, 32, 64,
+   against the HBM floor = (weight bytes + KV bytes read per step) / copy bandwidth measured here;
+2. verify: the target forward over 2, 4, 8 query tokens per request against 1 (decode), same batch;
+3. quantized: FP8 (e4m3, torch._scaled_mm) and INT4 (W4A16 Triton) decode steps against bf16 at batch 1, 32;
+4. end to end: output tokens/s on the SmolLM2-135M-Instruct shape (random weights) at concurrency 1, 8, 32,
+   256 greedy tokens per request, for specserve (no speculation, n-gram k=4, EAGLE-3 with a random head) and
+   for Hugging Face transformers ``generate(cache_implementation="static")`` on a LlamaForCausalLM holding the
+   same weights (identical maths), on the same GPU.
+
+Every section runs in its own try/except: a failure is recorded under ``errors`` and the rest still runs.
+The ``summary`` object holds the five bar figures (fractions and ratios; tokens/s for smollm2_c1_tok_s).
+
+    python benchmarks/gpu_engine.py --out $OUT/gpu_engine.json
+    python benchmarks/gpu_engine.py --device cpu --smoke     # wiring check on CPU: tiny shapes, few tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.engine.model_runner import ModelRunner  # noqa: E402
+from specserve.layers.norm import RMSNorm  # noqa: E402
+from specserve.layers.quant_gpu import weight_bytes  # noqa: E402
+from specserve.models.loader import build_model  # noqa: E402
+from specserve.models.quantize import quantize_model  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+from specserve.sampling import SamplingParams  # noqa: E402
+from specserve.spec.params import SPEC_OFF, SpecParams  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def dummy_model(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Random weights drawn on ``device`` (the loader draws on the host, minutes for 8B parameters): norms 1,
+    biases 0, other parameters N(0, 1 / fan_in) - the loader's distribution, not its values."""
+    model = build_model(config, max_position, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, p in model.named_parameters():
+        if id(p) in norms:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=gen)
+    model.pack_weights()
+    return model
+
+
+def step_weight_bytes(model) -> int:
+    """Weight bytes one decode step reads: every decoder layer, the final norm and the LM head (the embedding
+    table only through the few rows looked up, unless it is the tied head)."""
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    return sum(weight_bytes(m) for m in (*model.layers, model.norm, head))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, counting the read and the write (what a kernel streaming weights
+    could reach at best)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    dt = (time.perf_counter() - t0) / iters
+    del src, dst
+    return 2 * nbytes / dt
+
+
+def engine_for(model, config: ModelConfig, device: torch.device, max_num_seqs: int, kv_gib: float,
+               max_model_len: int, budget: int, spec: SpecConfig | None = None, proposers: dict | None = None):
+    cfg = EngineConfig(model="bench", device=str(device), cache=CacheConfig(block_size=BLOCK_SIZE,
+                                                                             kv_cache_memory_gib=kv_gib),
+                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                 max_model_len=max_model_len),
+                       speculative=spec or SpecConfig())
+    return LLMEngine(cfg, model, config, None, proposers=proposers)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, prompt_len: int, steps: int,
+                      warmup: int = 3) -> dict:
+    """Median wall time of ``engine.step()`` once all ``batch`` requests decode (prefill steps excluded)."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
+        engine.add_request(f"d{batch}-{i}", p, params, SPEC_OFF)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    times, contexts = [], []
+    for i in range(steps + warmup):
+        contexts.append(statistics.mean(r.num_tokens for r in engine.requests.values()))
+        sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    while engine.has_unfinished():
+        engine.step()
+    return {"median_step_s": statistics.median(times), "min_step_s": min(times), "steps": len(times),
+            "mean_context": statistics.mean(contexts[warmup:])}
+
+
+@torch.inference_mode()
+def time_forward(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
+                 iters: int, warmup: int = 3) -> float:
+    """Median time of one target forward + LM head over ``query_len`` tokens per request (1: a decode step;
+    1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each."""
+    seq_len = context + query_len
+    blocks = -(-seq_len // BLOCK_SIZE)
+    if batch * blocks > runner.num_blocks:
+        raise ValueError(f"KV cache too small: {batch * blocks} blocks > {runner.num_blocks}")
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    ids = torch.randint(0, runner.model_config.vocab_size, (batch * query_len,)).tolist()
+    positions = [p for _ in range(batch) for p in range(context, seq_len)]
+    times = []
+    for i in range(iters + warmup):
+        sync(device)
+        t0 = time.perf_counter()
+        hidden, _ = runner.forward(ids, positions, [query_len] * batch, [seq_len] * batch, tables)
+        runner.model.compute_logits(hidden)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Report:
+    def __init__(self, command: str) -> None:
+        self.data: dict = {"command": command, "errors": {}}
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def section(self, name: str, fn, *args) -> None:
+        print(f"--- {name} ({self.elapsed():.0f} s)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:  # record and go on: one failure must not lose the other sections
+            self.data["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+            print(f"!!! {name} failed: {type(exc).__name__}: {exc}", flush=True)
+        self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+
+
+# ---- sections ----------------------------------------------------------------------------------------------------
+def machine_section(rep: Report, device: torch.device) -> None:
+    m = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        m |= {"gpu": torch.cuda.get_device_name(device), "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+              "sm_count": props.multi_processor_count, "capability": ".".join(map(str, props.major_minor))
+              if hasattr(props, "major_minor") else f"{props.major}.{props.minor}", "cuda": torch.version.cuda}
+    for mod in ("triton", "transformers"):
+        try:
+            m[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001 - absent is a fact worth recording
+            m[mod] = f"unavailable ({type(exc).__name__})"
+    rep.data["machine"] = m
+
+
+def bandwidth_section(rep: Report, device: torch.device, nbytes: int) -> None:
+    bw = copy_bandwidth(device, nbytes)
+    rep.data["copy_bandwidth_gb_s"] = bw / 1e9
+    print(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s")
+
+
+def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> None:
+    config = shape_config(args.big_shape)
+    model = dummy_model(config, args.max_model_len, dtype, device)
+    engine = engine_for(model, config, device, max(args.batches), args.kv_gib, args.max_model_len,
+                        args.prefill_budget, proposers={})
+    bw = rep.data.get("copy_bandwidth_gb_s", float("nan")) * 1e9
+    wbytes = step_weight_bytes(model)
+    kv_tok = kv_bytes_per_token(config, dtype)
+    out = {"shape": args.big_shape, "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+           "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "by_batch": {}}
+    rep.data["decode"] = out
+    for b in args.batches:
+        r = time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)
+        kv_read = b * r["mean_context"] * kv_tok
+        floor = (wbytes + kv_read) / bw
+        r |= {"kv_bytes_read": kv_read, "hbm_floor_s": floor, "floor_fraction": floor / r["median_step_s"],
+              "tok_s": b / r["median_step_s"]}
+        out["by_batch"][str(b)] = r
+        print(f"decode b={b:3d}: {r['median_step_s'] * 1e3:7.2f} ms/step, floor {floor * 1e3:6.2f} ms "
+              f"({r['floor_fraction']:.0%}), {r['tok_s']:.0f} tok/s", flush=True)
+    del engine
+    free(device)
+    # verify steps: target forward over query_len tokens per request vs query_len 1, same batch and context
+    runner = ModelRunner(model, config, CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib), device)
+    ver: dict = {"context": args.prompt_len, "by_batch": {}}
+    rep.data["verify"] = ver
+    for b in args.verify_batches:
+        row = {"forward_s": {}}
+        for q in (1, 2, 4, 8):
+            row["forward_s"][str(q)] = time_forward(runner, device, b, args.prompt_len, q, args.forward_iters)
+        row["vs_decode"] = {q: t / row["forward_s"]["1"] for q, t in row["forward_s"].items()}
+        ver["by_batch"][str(b)] = row
+        print(f"verify b={b:3d}: " + ", ".join(f"q={q} {t * 1e3:.2f} ms (x{row['vs_decode'][q]:.2f})"
+                                              for q, t in row["forward_s"].items()), flush=True)
+    del runner, model
+    free(device)
+
+
+def quant_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> None:
+    config = shape_config(args.big_shape)
+    out: dict = {"shape": args.big_shape, "by_method": {}}
+    rep.data["quantized"] = out
+    bf16 = rep.data.get("decode", {}).get("by_batch", {})
+    for method in ("bf16", "fp8", "int4"):
+        try:
+            if method == "bf16" and all(str(b) in bf16 for b in args.quant_batches):
+                res = {str(b): bf16[str(b)]["median_step_s"] for b in args.quant_batches}
+                out["by_method"][method] = {"median_step_s": res, "weight_bytes": rep.data["decode"]["weight_bytes"]}
+                continue
+            model = dummy_model(config, args.max_model_len, dtype, device)
+            if method != "bf16":
+                quantize_model(model, method)
+                free(device)
+            engine = engine_for(model, config, device, max(args.quant_batches), args.kv_gib, args.max_model_len,
+                                args.prefill_budget, proposers={})
+            res = {str(b): time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)["median_step_s"]
+                   for b in args.quant_batches}
+            out["by_method"][method] = {"median_step_s": res, "weight_bytes": step_weight_bytes(model)}
+            print(f"{method}: " + ", ".join(f"b={b} {t * 1e3:.2f} ms" for b, t in res.items()), flush=True)
+            del engine, model
+            free(device)
+        except Exception as exc:  # one method failing keeps the others
+            rep.data["errors"][f"quantized.{method}"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+            print(f"!!! quantized {method} failed: {exc}", flush=True)
+            free(device)
+    base = out["by_method"].get("bf16", {}).get("median_step_s", {})
+    for method in ("fp8", "int4"):
+        got = out["by_method"].get(method, {}).get("median_step_s", {})
+        out["by_method"].get(method, {})["speedup_vs_bf16"] = {b: base[b] / t for b, t in got.items() if b in base}
+
+
+def hf_llama(model, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """transformers' LlamaForCausalLM holding exactly our model's weights (q|k|v and gate|up split back; a tied
+    head stays tied). Built in fp32 so its rotary buffers are computed as ours are (fp32), then only the
+    parameters are cast to ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                         num_attention_heads=config.num_attention_heads,
+                         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                         rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                         max_position_embeddings=config.max_position_embeddings,
+                         tie_word_embeddings=config.tie_word_embeddings, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=0, attention_bias=False, mlp_bias=False)
+    if hasattr(hf_cfg, "rope_parameters"):
+        hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta,
+                                  **(config.rope_scaling or {})}  # transformers 5 keeps rope settings here
+    elif config.rope_scaling:
+        hf_cfg.rope_scaling = config.rope_scaling
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_cfg)
+    q, kv, ffn = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
+        config.intermediate_size
+    sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        sd["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.self_attn.qkv_proj.weight
+        gate_up = layer.mlp.gate_up_proj.weight
+        sd |= {p + "input_layernorm.weight": layer.input_layernorm.weight,
+               p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+               p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
+               p + "self_attn.v_proj.weight": qkv[q + kv:],
+               p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+               p + "mlp.gate_proj.weight": gate_up[:ffn], p + "mlp.up_proj.weight": gate_up[ffn:],
+               p + "mlp.down_proj.weight": layer.mlp.down_proj.weight}
+    missing, unexpected = hf.load_state_dict({k: v.detach().float() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"HF weight mapping: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if config.tie_word_embeddings and hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    for param in hf.parameters():  # parameters only: the rotary inv_freq buffer stays fp32
+        param.data = param.data.to(dtype)
+    return hf.eval()
+
+
+def e2e_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> None:
+    config = shape_config(args.small_shape)
+    max_len = args.e2e_prompt_len + args.new_tokens + 32
+    model = dummy_model(config, max_len + 64, dtype, device)
+    out: dict = {"shape": args.small_shape, "prompt_len": args.e2e_prompt_len, "new_tokens": args.new_tokens,
+                 "specserve": {}, "hf": {}}
+    rep.data["e2e"] = out
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    runs = {"none": (SpecConfig(), SPEC_OFF), "ngram": (SpecConfig(), SpecParams("ngram", 4)),
+            "eagle3": (SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4), SpecParams("eagle3", 4))}
+    first_tokens = {}
+    for name, (spec_cfg, spec) in runs.items():
+        try:
+            engine = engine_for(model, config, device, max(args.concurrency), 4.0, max_len, 4096, spec=spec_cfg)
+            engine.generate(random_prompts(2, args.e2e_prompt_len, config.vocab_size, seed=99),
+                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), spec)  # warm-up
+            res = {}
+            for c in args.concurrency:
+                prompts = random_prompts(c, args.e2e_prompt_len, config.vocab_size, seed=c)
+                sync(device)
+                t0 = time.perf_counter()
+                reqs = engine.generate(prompts, params, spec)
+                sync(device)
+                dt = time.perf_counter() - t0
+                n = sum(len(r.output_ids) for r in reqs)
+                drafts = sum(r.spec_counters.num_drafts for r in reqs)
+                accepted = sum(r.spec_counters.num_accepted_tokens for r in reqs)
+                res[str(c)] = {"tok_s": n / dt, "seconds": dt, "output_tokens": n, "num_drafts": drafts,
+                               "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+                if c == 1:
+                    first_tokens[name] = reqs[0].output_ids
+                print(f"specserve {name:6s} c={c:2d}: {n / dt:8.0f} tok/s ({dt:.2f} s)", flush=True)
+            out["specserve"][name] = res
+            del engine
+            free(device)
+        except Exception as exc:
+            rep.data["errors"][f"e2e.specserve.{name}"] = f"{type(exc).__name__}: {exc}\n" \
+                                                         f"{traceback.format_exc(limit=6)}"
+            print(f"!!! specserve {name} failed: {exc}", flush=True)
+    out["speculative_equals_plain_c1"] = {k: v == first_tokens.get("none") for k, v in first_tokens.items()}
+    try:
+        hf_section(rep, args, model, config, device, dtype, first_tokens.get("none"))
+    except Exception as exc:
+        rep.data["errors"]["e2e.hf"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+        print(f"!!! HF failed: {exc}", flush=True)
+    del model
+    free(device)
+
+
+@torch.inference_mode()
+def hf_section(rep: Report, args, model, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               ours_c1: list[int] | None) -> None:
+    from transformers import GenerationConfig
+    hf = hf_llama(model, config, device, dtype)
+    out = rep.data["e2e"]["hf"]
+
+    def gen_config(compile_: bool, new_tokens: int) -> GenerationConfig:
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  cache_implementation="static", pad_token_id=0, eos_token_id=None, bos_token_id=None)
+        g = GenerationConfig(**kw)
+        if not compile_:
+            g.disable_compile = True  # transformers compiles static-cache decoding itself unless told not to
+        return g
+
+    def run(c: int, compile_: bool, new_tokens: int, seed: int) -> tuple[float, torch.Tensor]:
+        ids = torch.tensor(random_prompts(c, args.e2e_prompt_len, config.vocab_size, seed=seed), device=device)
+        mask = torch.ones_like(ids)  # equal-length prompts: no padding needed, the mask says so explicitly
+        sync(device)
+        t0 = time.perf_counter()
+        seqs = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config(compile_, new_tokens))
+        sync(device)
+        return time.perf_counter() - t0, seqs[:, ids.shape[1]:]
+
+    for label, compile_, concurrency in (("eager", False, args.concurrency), ("compiled", True, args.hf_compile_c)):
+        res = {}
+        out[label] = res
+        for c in concurrency:
+            if compile_ and rep.elapsed() > args.time_budget_s:
+                res[str(c)] = {"skipped": f"time budget ({rep.elapsed():.0f} s elapsed)"}
+                continue
+            try:
+                # warm-up; compiled: the full length, so the static cache (and its graphs) are the timed run's
+                run(c, compile_, args.new_tokens if compile_ else min(16, args.new_tokens), seed=99)
+                dt, new = run(c, compile_, args.new_tokens, seed=c)
+                n = new.numel()
+                res[str(c)] = {"tok_s": n / dt, "seconds": dt, "output_tokens": n}
+                if c == 1 and ours_c1 is not None:
+                    theirs = new[0].tolist()
+                    agree = next((i for i, (a, b) in enumerate(zip(theirs, ours_c1)) if a != b), len(ours_c1))
+                    res[str(c)]["greedy_tokens_equal_to_specserve"] = agree  # bf16 round-off may split late
+                print(f"hf {label:8s} c={c:2d}: {n / dt:8.0f} tok/s ({dt:.2f} s)", flush=True)
+            except Exception as exc:
+                rep.data["errors"][f"e2e.hf.{label}.c{c}"] = f"{type(exc).__name__}: {exc}\n" \
+                                                             f"{traceback.format_exc(limit=6)}"
+                print(f"!!! hf {label} c={c} failed: {exc}", flush=True)
+
+
+def summarize(rep: Report) -> None:
+    d = rep.data
+
+    def get(*path):
+        cur = d
+        for p in path:
+            if not isinstance(cur, dict) or p not in cur:
+                return None
+            cur = cur[p]
+        return cur
+
+    ours = get("e2e", "specserve", "none", "1", "tok_s")
+    hf_best = max((v for v in (get("e2e", "hf", "eager", "1", "tok_s"), get("e2e", "hf", "compiled", "1", "tok_s"))
+                   if v is not None), default=None)
+    d["definitions"] = {
+        "hbm_floor_s": "(weight bytes read per step + KV bytes read per step) / copy_bandwidth_gb_s (read + write)",
+        "floor_fraction": "hbm_floor_s / median engine decode step (1.0 = at the memory-bandwidth floor)",
+        "verify vs_decode": "target forward + LM head over q tokens per request / the same with q = 1, same batch",
+        "speedup_vs_bf16": "bf16 median decode step / quantized median decode step, same batch",
+        "e2e tok_s": "output tokens of all requests / wall time of LLMEngine.generate (prefill included)",
+        "e2e_vs_hf_c1": "specserve (no speculation) c=1 tok/s / the best HF generate c=1 tok/s (compiled if run)",
+    }
+    d["summary"] = {
+        "decode_b1_floor_fraction": get("decode", "by_batch", "1", "floor_fraction"),
+        "verify8_vs_decode_b32": get("verify", "by_batch", "32", "vs_decode", "8"),
+        "fp8_speedup_b1": get("quantized", "by_method", "fp8", "speedup_vs_bf16", "1"),
+        "smollm2_c1_tok_s": ours,
+        "e2e_vs_hf_c1": None if ours is None or not hf_best else ours / hf_best,
+    }
+
+
+def print_table(d: dict) -> None:
+    rows = [("metric", "value")]
+    for b, r in d.get("decode", {}).get("by_batch", {}).items():
+        rows.append((f"decode b={b} step ms (floor ms, fraction)",
+                     f"{r['median_step_s'] * 1e3:.2f} ({r['hbm_floor_s'] * 1e3:.2f}, {r['floor_fraction']:.2f})"))
+    for b, r in d.get("verify", {}).get("by_batch", {}).items():
+        ratios = " / ".join(f"{r['vs_decode'][q]:.2f}" for q in ("2", "4", "8"))
+        rows.append((f"verify b={b} q=2/4/8 vs decode", ratios))
+    for m, r in d.get("quantized", {}).get("by_method", {}).items():
+        rows.append((f"{m} step ms by batch", ", ".join(f"b{b}: {t * 1e3:.2f}" for b, t in r["median_step_s"].items())))
+    for who in ("specserve", "hf"):
+        for name, res in d.get("e2e", {}).get(who, {}).items():
+            rows.append((f"e2e {who} {name} tok/s", ", ".join(f"c{c}: {v['tok_s']:.0f}" for c, v in res.items()
+                                                            if "tok_s" in v)))
+    for k, v in d.get("summary", {}).items():
+        rows.append((f"summary.{k}", "n/a" if v is None else f"{v:.3f}"))
+    width = max(len(r[0]) for r in rows)
+    print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
+    if d.get("errors"):
+        print(f"errors in: {', '.join(d['errors'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_engine.json, else benchmarks/results)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens: check the wiring (CPU ok)")
+    ap.add_argument("--time-budget-s", type=float, default=400.0,
+                    help="optional parts (compiled HF generate) are skipped once this much time has passed")
+    args = ap.parse_args(argv)
+    import os
+    if args.out is None:
+        args.out = str(Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_engine.json")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.big_shape, args.small_shape = "llama-3.1-8b", "smollm2-135m"
+    args.batches, args.verify_batches, args.quant_batches = [1, 8, 32, 64], [1, 8, 32], [1, 32]
+    args.concurrency, args.hf_compile_c = [1, 8, 32], [1]
+    args.prompt_len, args.e2e_prompt_len, args.new_tokens = 512, 128, 256
+    args.decode_steps, args.forward_iters = 20, 10
+    args.max_model_len, args.kv_gib, args.prefill_budget = 1024, 12.0, 8192
+    if args.smoke:
+        args.big_shape = args.small_shape
+        args.batches, args.verify_batches, args.quant_batches = [1, 4], [1, 4], [1, 4]
+        args.concurrency, args.hf_compile_c = [1, 4], []
+        args.prompt_len, args.e2e_prompt_len, args.new_tokens = 32, 16, 12
+        args.decode_steps, args.forward_iters, args.kv_gib, args.prefill_budget = 3, 2, 0.25, 512
+    rep = Report(" ".join(["python", *sys.argv]))
+    rep.section("machine", machine_section, rep, device)
+    rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
+    rep.section("decode_and_verify", decode_section, rep, args, device, dtype)
+    rep.section("quantized", quant_section, rep, args, device, dtype)
+    rep.section("e2e", e2e_section, rep, args, device, dtype)
+    summarize(rep)
+    rep.data["total_seconds"] = round(rep.elapsed(), 1)
+    print_table(rep.data)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rep.data, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Quantized projection weights for accelerators: FP8 e4m3 (weights and activations) and INT4 weight-only.
+
+FP8 (Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433). The e4m3 format has 4 exponent
+and 3 mantissa bits, a largest finite value of 448 and no infinities (``torch.float8_e4m3fn``). Weights get one
+scale per output channel (row of ``[out_features, in_features]``) chosen at load time, ``scale = amax / 448``;
+activations get one scale per token (row), computed on the fly inside the forward (no calibration, no host
+sync). The product ``(x_q * s_x) @ (w_q * s_w).T = s_x * (x_q @ w_q.T) * s_w`` runs on the tensor cores through
+``torch._scaled_mm`` with row-wise scales (``[M, 1]`` and ``[1, N]``), accumulating in fp32 and writing bf16.
+Off the accelerator the same maths runs as a reference (dequantize both operands, fp32 matmul).
+
+INT4 (weight-only, group-wise, as in AWQ: Lin et al., "AWQ: Activation-aware Weight Quantization for LLM
+Compression and Acceleration", arXiv 2306.00978). Every ``group_size`` consecutive input features of an output
+channel share a scale ``s`` and an integer zero point ``z`` in [0, 15] (asymmetric):
+
+    q = clamp(round(w / s) + z, 0, 15),  s = (max - min) / 15,  z = clamp(round(-min / s), 0, 15)
+    w ~= (q - z) * s
+
+We quantize by round-to-nearest (no activation-aware scale search; an AWQ checkpoint would bring searched
+scales, and its (q, s, z) use exactly this dequantization formula). Layout, chosen for the GEMM kernel
+(``layers/triton_w4a16.py``), which reads 8 consecutive k of one output column from one int32:
+
+    qweight [in_features // 8, out_features] int32: bits 4*j..4*j+3 of qweight[k // 8, n] hold q[n, k], j = k % 8
+    scales  [in_features // group_size, out_features]  activation dtype
+    zeros   [in_features // group_size, out_features]  activation dtype (integers 0..15, exact in bf16/fp16)
+
+Activations stay in their dtype (W4A16): the kernel dequantizes weight tiles in registers and accumulates in
+fp32. Decoding is bound by weight bytes, so 4-bit weights read ~4x fewer bytes than bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+INT4_GROUP_SIZE = 128
+INT4_MAX = 15
+_MIN_SCALE = 1e-12
+
+
+# ---- FP8 -------------------------------------------------------------------------------------------------
+def quantize_fp8_rows(
+    x: torch.Tensor,  # [num_rows, num_cols]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [num_rows, num_cols] float8_e4m3fn, scale [num_rows, 1] float32)
+    """One scale per row (per output channel of a weight, per token of an activation): ``x ~= x_q * scale``."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8_rows(
+    x_q: torch.Tensor,  # [num_rows, num_cols] float8_e4m3fn
+    scale: torch.Tensor,  # [num_rows, 1] float32
+) -> torch.Tensor:  # [num_rows, num_cols] float32
+    return x_q.float() * scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,  # [num_rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] float32
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    """The FP8 GEMM's maths in plain torch: per-token activation quantization, fp32 products and sums."""
+    x_q, x_scale = quantize_fp8_rows(x)
+    out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,  # [num_rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] float32
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    """Tensor-core FP8 GEMM: ``torch._scaled_mm`` with row-wise scales (sm_89+ on CUDA). ``_scaled_mm`` wants the
+    second operand column-major, which ``weight.t()`` of a row-major ``[N, K]`` weight is; K and N must be
+    multiples of 16. Row-wise scaling writes bf16, cast to ``x.dtype`` afterwards if that differs."""
+    x_q, x_scale = quantize_fp8_rows(x)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16,
+                           use_fast_accum=True)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.to(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A projection with e4m3 weights and one fp32 scale per output channel. ``use_scaled_mm`` None picks
+    ``torch._scaled_mm`` on accelerators and the reference maths on CPU."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_scaled_mm: bool | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # [out_features, in_features] float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale.reshape(1, -1).contiguous())  # [1, out_features] fp32
+        self.register_buffer("bias", bias)  # [out_features] or None
+        self.use_scaled_mm = use_scaled_mm
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   use_scaled_mm: bool | None = None) -> Fp8Linear:
+        """Quantize ``weight [out_features, in_features]`` with one scale per output channel."""
+        w_q, w_scale = quantize_fp8_rows(weight.detach())
+        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_rows, in_features]
+    ) -> torch.Tensor:  # [num_rows, out_features]
+        use = self.use_scaled_mm if self.use_scaled_mm is not None else x.device.type != "cpu"
+        fn = fp8_linear_scaled_mm if use else fp8_linear_reference
+        return fn(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-channel"
+
+
+# ---- INT4 ------------------------------------------------------------------------------------------------
+def pack_int4(
+    q: torch.Tensor,  # [in_features, out_features] integers in [0, 15]
+) -> torch.Tensor:  # [in_features // 8, out_features] int32
+    """Eight 4-bit values along K per int32, value ``k % 8`` in bits ``4 * (k % 8)`` (the sign bit is just bit 31)."""
+    k, n = q.shape
+    if k % 8:
+        raise ValueError(f"in_features: {k} is not a multiple of 8")
+    q = q.to(torch.int64).reshape(k // 8, 8, n)
+    shifts = (torch.arange(8, device=q.device, dtype=torch.int64) * 4).view(1, 8, 1)
+    packed = (q << shifts).sum(dim=1)  # [k // 8, n] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4(
+    packed: torch.Tensor,  # [in_features // 8, out_features] int32
+) -> torch.Tensor:  # [in_features, out_features] uint8 in [0, 15]
+    k8, n = packed.shape
+    shifts = (torch.arange(8, device=packed.device, dtype=torch.int32) * 4).view(1, 8, 1)
+    q = (packed.unsqueeze(1) >> shifts) & 0xF  # arithmetic shift; the mask drops the sign extension
+    return q.reshape(k8 * 8, n).to(torch.uint8)
+
+
+def int4_group_size_for(in_features: int, group_size: int = INT4_GROUP_SIZE) -> int:
+    """``group_size``, halved until it divides ``in_features`` (SmolLM2's 576 = 9 x 64 gets 64); at least 16,
+    the smallest K tile of the GEMM kernel. Raises ValueError naming ``group_size`` when none fits."""
+    g = group_size
+    while g >= 16 and in_features % g:
+        g //= 2
+    if g < 16 or g % 16:
+        raise ValueError(f"group_size: no multiple of 16 up to {group_size} divides in_features={in_features}")
+    return g
+
+
+def quantize_int4(
+    weight: torch.Tensor,  # [out_features, in_features]
+    group_size: int,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric group-wise quantization. Returns ``(qweight [K // 8, N] int32, scales
+    [K // g, N], zeros [K // g, N])``, scales and zeros in ``dtype`` (default: the weight's). The scale is rounded
+    (up) to ``dtype`` before q is computed, so dequantizing with the stored scale is what was rounded against,
+    and every weight is within half a step of its dequantized value."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"group_size: {group_size} does not divide in_features={k}")
+    dtype = dtype or weight.dtype
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    w_min = w.amin(dim=-1, keepdim=True).clamp(max=0.0)  # the range includes 0, so z needs no clipping
+    w_max = w.amax(dim=-1, keepdim=True).clamp(min=0.0)
+    exact = ((w_max - w_min) / INT4_MAX).clamp(min=_MIN_SCALE)
+    scales = exact.to(dtype)
+    # Round the stored scale up, never down: 15 steps must still span [min, max], so no value is clipped.
+    scales = torch.where(scales.float() < exact, torch.nextafter(scales, torch.full_like(scales, torch.inf)),
+                         scales).float()
+    zeros = (-w_min / scales).round().clamp(0, INT4_MAX)
+    q = (w / scales).round().add(zeros).clamp(0, INT4_MAX)  # [n, groups, g]
+    qweight = pack_int4(q.reshape(n, k).t())
+    return qweight, scales.squeeze(-1).t().contiguous().to(dtype), zeros.squeeze(-1).t().contiguous().to(dtype)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,  # [in_features // 8, out_features] int32
+    scales: torch.Tensor,  # [in_features // group_size, out_features]
+    zeros: torch.Tensor,  # [in_features // group_size, out_features]
+) -> torch.Tensor:  # [out_features, in_features] float32
+    """``w[n, k] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]`` in fp32: the kernel's per-element maths."""
+    q = unpack_int4(qweight).float()  # [K, N]
+    group_size = q.shape[0] // scales.shape[0]
+    s = scales.float().repeat_interleave(group_size, dim=0)
+    z = zeros.float().repeat_interleave(group_size, dim=0)
+    return ((q - z) * s).t()
+
+
+def int4_linear_reference(
+    x: torch.Tensor,  # [num_rows, in_features]
+    qweight: torch.Tensor,  # [in_features // 8, out_features] int32
+    scales: torch.Tensor,  # [in_features // group_size, out_features]
+    zeros: torch.Tensor,  # [in_features // group_size, out_features]
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    """The W4A16 GEMM's maths in plain torch (the oracle of the Triton kernel): weights dequantized in fp32 and
+    rounded to the activation dtype (as the kernel feeds the tensor cores), fp32 accumulation."""
+    w = dequantize_int4(qweight, scales, zeros).to(x.dtype).float()
+    out = x.float() @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """A projection with group-wise 4-bit weights (see the module docstring for the layout). ``use_triton`` None
+    runs the Triton W4A16 kernel on CUDA tensors and the torch reference elsewhere; True forces the kernel (e.g.
+    under ``TRITON_INTERPRET=1`` on CPU). Build it from quantized tensors (e.g. an AWQ checkpoint's, converted)
+    or with ``from_float``."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = qweight.shape[0] * 8, qweight.shape[1]
+        self.group_size = self.in_features // scales.shape[0]
+        self.register_buffer("qweight", qweight)  # [in_features // 8, out_features] int32
+        self.register_buffer("scales", scales)  # [in_features // group_size, out_features]
+        self.register_buffer("zeros", zeros)  # [in_features // group_size, out_features]
+        self.register_buffer("bias", bias)  # [out_features] or None
+        self.use_triton = use_triton
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
+                   use_triton: bool | None = None) -> Int4Linear:
+        """Quantize ``weight [out_features, in_features]`` (round to nearest, ``int4_group_size_for`` groups)."""
+        qweight, scales, zeros = quantize_int4(weight, int4_group_size_for(weight.shape[1], group_size))
+        return cls(qweight, scales, zeros, None if bias is None else bias.detach().clone(), use_triton)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_rows, in_features]
+    ) -> torch.Tensor:  # [num_rows, out_features]
+        use = self.use_triton if self.use_triton is not None else x.is_cuda
+        if use:
+            from specserve.layers.triton_w4a16 import w4a16_linear  # Triton is imported on the kernel path only
+            return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias)
+        return int4_linear_reference(x, self.qweight, self.scales, self.zeros, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``module``: what one forward reads from memory at least."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` with row-wise FP8 scales can run on ``device`` (CUDA sm_89+); CPU runs the
+    reference instead."""
+    if device.type == "cpu" or not hasattr(torch, "_scaled_mm"):
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (8, 9)
+

@@ -1,0 +1,52 @@
+"""Run Triton kernels on CPU under Triton's interpreter, with the two interpreter bugs of Triton 3.6 patched.
+
+``triton.jit`` decides between compiling and interpreting when a kernel is *defined*, from ``TRITON_INTERPRET``,
+so it must be set before triton is first imported (``reload_interpreted`` re-imports a kernel module that
+was imported earlier without it). The patches are those of tests/unit/test_triton_attention.py
+(same flag on the interpreter module, so applying both is harmless); that file may import this one instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def reload_interpreted(module: ModuleType, kernel_name: str) -> ModuleType:
+    """``module`` with its kernels interpreted (reloaded if ``kernel_name`` was compiled for a GPU)."""
+    from triton.runtime import interpreter
+    if not isinstance(getattr(module, kernel_name), interpreter.InterpretedFunction):
+        module = importlib.reload(module)
+    return module
+
+
+def fix_interpreter() -> None:
+    """Two bugs of Triton 3.6's interpreter (not of the compiled path), patched for tests only:
+
+    - it keeps a scalar as a 1-element array and turns it into a loop bound with ``int(array)``, which
+      NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
+      triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0): take the one element instead;
+    - it stores bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as integers: widen bfloat16
+      operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order).
+    """
+    import triton
+    from triton.runtime import interpreter
+    if getattr(interpreter, "specserve_fixed", False):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patched_lang_tensor(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def patched_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, triton.language.float32) if x.dtype.scalar == triton.language.bfloat16 else x
+                for x in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    builder.create_dot = patched_create_dot
+    interpreter.specserve_fixed = True

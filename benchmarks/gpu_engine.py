@@ -169,9 +169,15 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
 
 
 class Report:
-    def __init__(self, command: str) -> None:
+    def __init__(self, command: str, out: str | None = None) -> None:
         self.data: dict = {"command": command, "errors": {}}
         self.start = time.perf_counter()
+        self.out = out  # written after every section: a run cut short keeps what it measured
+
+    def write(self) -> None:
+        if self.out:
+            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.out).write_text(json.dumps(self.data, indent=2, default=str))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -185,6 +191,7 @@ class Report:
             self.data["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
             print(f"!!! {name} failed: {type(exc).__name__}: {exc}", flush=True)
         self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        self.write()
 
 
 # ---- sections ----------------------------------------------------------------------------------------------------
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency, args.hf_compile_c = [1, 4], []
         args.prompt_len, args.e2e_prompt_len, args.new_tokens = 32, 16, 12
         args.decode_steps, args.forward_iters, args.kv_gib, args.prefill_budget = 3, 2, 0.25, 512
-    rep = Report(" ".join(["python", *sys.argv]))
+    rep = Report(" ".join(["python", *sys.argv]), args.out)
     rep.section("machine", machine_section, rep, device)
     rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
     rep.section("decode_and_verify", decode_section, rep, args, device, dtype)
@@ -511,8 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     summarize(rep)
     rep.data["total_seconds"] = round(rep.elapsed(), 1)
     print_table(rep.data)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rep.data, indent=2, default=str))
+    rep.write()
     print(f"wrote {args.out}")
     return 0
 

@@ -81,6 +81,9 @@ class SchedulerConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
 
 
+# EngineConfig.cpu_activation_quant: activations of the block-quantized CPU matmuls (float32, or int8 per block of 32)
+CPU_ACTIVATION_QUANTS = ("none", "q8")
+
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
 # Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
 SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
@@ -125,6 +128,11 @@ class EngineConfig:
     seed: int = 0
     # Run a GGUF's Q4_1 / Q8_0 matrices straight from their blocks on CPU (same weights, fewer bytes).
     quantized_cpu_kernels: bool = True
+    # Activations of those block-quantized matmuls: "none" keeps x in float32 (exact up to fp32 rounding);
+    # "q8" rounds each row of x per block of 32 to int8 and uses integer dot products (faster verify steps, slightly
+    # different logits; see specserve/layers/quant_cpu.py). Each row stays independent of the others, so speculative
+    # greedy output still equals plain greedy output.
+    cpu_activation_quant: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
@@ -132,6 +140,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"unsupported dtype {self.dtype!r}")
+        _require(self.cpu_activation_quant in CPU_ACTIVATION_QUANTS, "cpu_activation_quant",
+                 f"must be one of {', '.join(CPU_ACTIVATION_QUANTS)}, got {self.cpu_activation_quant!r}")
+        _require(self.cpu_activation_quant == "none" or self.quantized_cpu_kernels, "cpu_activation_quant",
+                 "needs quantized_cpu_kernels (it applies to the block-quantized CPU kernels only)")
 
 
 @dataclass

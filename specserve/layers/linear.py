@@ -45,6 +45,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     quant: object | None = None  # QuantizedWeight holding exactly ``weight``, in block form
+    activation_quant: str = "none"  # "none" | "q8": how ``quant``'s kernel takes x (EngineConfig.cpu_activation_quant)
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -54,7 +55,7 @@ class Linear(nn.Linear):
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
         if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
-            return quant_linear(x, self.quant, self.bias)
+            return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -10,6 +10,17 @@ fails; callers then keep fp32 weights (``QuantizedWeight.dequantize()``).
 Block formats (ggml's, 32 consecutive weights along in_features of one output row):
     Q4_1: 20 bytes = d f16, m f16, qs[16] u8;  w[j] = d * (qs[j] & 0xF) + m,  w[j + 16] = d * (qs[j] >> 4) + m
     Q8_0: 34 bytes = d f16, qs[32] i8;         w[j] = d * qs[j]
+
+Activations (``activation_quant``, from ``EngineConfig.cpu_activation_quant``):
+    "none" (default, the oracle): x stays float32; the kernel converts the codes to float and FMAs them with x.
+    "q8": each row of x is first quantized per block of 32 to int8 with one float32 scale (the idea of llama.cpp's
+          Q8_1 activation blocks; our own code): dx = max|x| / 127, xq = round-half-even(x / dx) in [-127, 127],
+          x ~ dx * xq. The kernel then takes exact integer dot products of the codes with xq (AVX2 maddubs/madd)
+          and computes ``sum_g (d * dx) * (q . xq) + m * dx * sum(xq)``, i.e. exactly
+          ``dequantize() @ (dx * xq)`` up to float32 rounding (``q8_reference`` is that computation in torch).
+          Numerics change: x itself is rounded to ~8 bits per block (relative error up to 1/254 of the block's
+          largest |x| per element), so logits differ slightly from "none"; each row's result still does not depend
+          on the other rows of the call, so speculative greedy output equals plain greedy output.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ import torch
 from specserve.kernels.loader import CpuKernel
 
 QType = Literal["q4_1", "q8_0"]
+ActivationQuant = Literal["none", "q8"]
+ACTIVATION_QUANTS = ("none", "q8")
 BLOCK_SIZE = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 CODE_BYTES = {"q4_1": 16, "q8_0": 32}  # integer codes per block, in bytes
@@ -140,15 +153,42 @@ def quant_linear(
     x: torch.Tensor,  # [num_rows, in_features] (any leading dims)
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [out_features]
+    activation_quant: ActivationQuant = "none",
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``."""
+    """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``.
+    ``activation_quant="q8"`` quantizes x per block of 32 to int8 first (see the module docstring)."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("the quantized CPU kernel is unavailable (see the log); keep fp32 weights instead")
+    if activation_quant not in ACTIVATION_QUANTS:
+        raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
-    gemm = ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm
+    gemm = {("q4_1", "none"): ext.q4_1_gemm, ("q8_0", "none"): ext.q8_0_gemm,
+            ("q4_1", "q8"): ext.q4_1_gemm_q8, ("q8_0", "q8"): ext.q8_0_gemm_q8}[weight.qtype, activation_quant]
     y = gemm(x2, *weight.tensors)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, weight.out_features).to(x.dtype)
+
+
+def quantize_q8_reference(
+    x: torch.Tensor,  # [num_rows, in_features] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # xq [num_rows, in_features / 32, 32] float32 integers, dx [num_rows, G]
+    """The kernel's per-block int8 quantization of x in plain torch (bit-identical to ``ext.quantize_q8``)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK_SIZE)  # [M, G, 32]
+    dx = blocks.abs().amax(dim=-1) / 127.0  # [M, G]
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(blocks * inv.unsqueeze(-1))  # half to even, as the kernel's cvtps / nearbyint
+    return xq, dx
+
+
+def q8_reference(
+    x: torch.Tensor,  # [num_rows, in_features] float32
+    weight: QuantizedWeight,
+) -> torch.Tensor:  # [num_rows, out_features] float64
+    """What ``quant_linear(x, weight, activation_quant="q8")`` computes, in float64 torch: the dequantized weight
+    times the int8-quantized x (``dx * xq``); the kernel differs from it by float32 rounding only."""
+    xq, dx = quantize_q8_reference(x)
+    x_hat = (xq.double() * dx.double().unsqueeze(-1)).reshape(x.shape[0], weight.in_features)
+    return x_hat @ weight.dequantize().double().T

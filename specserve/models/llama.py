@@ -121,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
         self._packed_head: torch.Tensor | None = None
         self._quant_head = None  # QuantizedWeight of the LM head, when the checkpoint has one
+        self._head_activation_quant = "none"  # how the LM head's kernel takes the hidden states
         self.ops = TorchOps()
 
     def set_ops(self, ops: TorchOps) -> None:
@@ -142,9 +143,10 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
 
-    def attach_quantized(self, tensors: dict) -> int:
+    def attach_quantized(self, tensors: dict, activation_quant: str = "none") -> int:
         """Give projections their checkpoint's GGUF blocks (``{hf_name: QuantizedTensor}``) so small batches
-        run the block-quantized CPU kernel. Returns how many layers got them (0 if the kernel is unavailable).
+        run the block-quantized CPU kernel, taking activations as ``activation_quant`` ("none": float32, "q8":
+        int8 per block of 32). Returns how many layers got them (0 if the kernel is unavailable).
         Fused projections get blocks only when all their parts are quantized in one format."""
         if load_extension() is None:
             return 0
@@ -173,7 +175,18 @@ class LlamaForCausalLM(nn.Module):
                 module.quant = fused(names)
                 count += module.quant is not None
         self._quant_head = block_weight("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        self.set_activation_quant(activation_quant)
         return count + (self._quant_head is not None)
+
+    def set_activation_quant(self, activation_quant: str) -> None:
+        """How the block-quantized kernels take activations: "none" (float32) or "q8" (int8 per block of 32)."""
+        from specserve.layers.quant_cpu import ACTIVATION_QUANTS
+        if activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.activation_quant = activation_quant
+        self._head_activation_quant = activation_quant
 
     def forward(
         self,
@@ -204,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
         if self._quant_head is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
-            return quant_linear(hidden, self._quant_head).float()
+            return quant_linear(hidden, self._quant_head, None, self._head_activation_quant).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

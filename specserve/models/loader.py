@@ -52,12 +52,13 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
-               seed: int = 0, quantized_cpu_kernels: bool = True):
+               seed: int = 0, quantized_cpu_kernels: bool = True, cpu_activation_quant: str = "none"):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
     "dummy:<shape>" (random weights; no tokenizer). With ``quantized_cpu_kernels``, a GGUF's Q4_1 / Q8_0
-    matrices also stay in block form for the CPU kernel (fp32 on CPU only).
+    matrices also stay in block form for the CPU kernel (fp32 on CPU only), which takes its activations as
+    ``cpu_activation_quant`` ("none": float32; "q8": int8 per block of 32, see ``layers/quant_cpu.py``).
     """
     dtype = resolve_dtype(dtype_name, device)
     if model.startswith("dummy:"):
@@ -88,5 +89,5 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     net.load_hf_state_dict(state)
     net.pack_weights()
     if quantized and quantized_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
-        net.attach_quantized(quantized)
+        net.attach_quantized(quantized, cpu_activation_quant)
     return net, config, tokenizer

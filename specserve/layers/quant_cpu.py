@@ -25,7 +25,7 @@ Activations (``activation_quant``, from ``EngineConfig.cpu_activation_quant``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -58,6 +58,8 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    # Q4_1 codes in the int8-activation kernel's layout, built on first use (``int8_codes()``)
+    _int8_codes: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -139,6 +141,18 @@ class QuantizedWeight:
         return cls(first.qtype, sum(w.out_features for w in weights), first.in_features,
                    torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m)
 
+    def int8_codes(self) -> torch.Tensor:  # [out_features, row_bytes] uint8 (q4_1) / int8 (q8_0)
+        """The codes as the int8-activation kernel reads them (built once, then kept: as many bytes again as qs).
+
+        Per output row, each chunk of 8 groups is interleaved so that one 32-byte vector carries 4 codes of each of
+        the 8 groups (see ``cpu_quant_gemm.cpp``); the last ``G % 8`` groups keep GGUF's layout.
+        Q8_0: chunk byte ``32j + 4i + e`` = code of weight ``4j + e`` of the chunk's group ``i`` (256 bytes).
+        Q4_1: chunk byte ``32t + 4i + e`` = codes of weights ``8t + e`` (low nibble) and ``8t + 4 + e`` (high) of
+        group ``i`` (128 bytes)."""
+        if self._int8_codes is None:
+            self._int8_codes = q4_1_int8_layout(self.qs) if self.qtype == "q4_1" else q8_0_int8_layout(self.qs)
+        return self._int8_codes
+
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         """Reference dequantization in plain torch; bit-identical to ``gguf.quants.dequantize``."""
         if self.qtype == "q4_1":
@@ -147,6 +161,30 @@ class QuantizedWeight:
         else:
             w = self.qs.float() * self.d.unsqueeze(-1)
         return w.reshape(self.out_features, self.in_features)
+
+
+def q4_1_int8_layout(
+    qs: torch.Tensor,  # [out_features, groups, 16] uint8, GGUF's Q4_1 codes
+) -> torch.Tensor:  # [out_features, groups // 8 * 128 + groups % 8 * 16] uint8
+    """GGUF Q4_1 codes -> the int8-activation kernel's layout (``QuantizedWeight.int8_codes``)."""
+    n, groups, _ = qs.shape
+    chunked = groups // 8 * 8
+    codes = torch.cat([qs[:, :chunked] & 0xF, qs[:, :chunked] >> 4], dim=-1)  # [N, chunked, 32]: weights in order
+    # [N, chunk, group i, word j, byte e] -> [N, chunk, j, i, e]: vector j holds word j (4 codes) of each group
+    words = codes.reshape(n, groups // 8, 8, 8, 4).transpose(2, 3).reshape(n, groups // 8, 8, 32)
+    packed = words[:, :, 0::2] | (words[:, :, 1::2] << 4)  # [N, chunk, 4, 32]: vector 2t low nibbles, 2t+1 high
+    tail = qs[:, chunked:].reshape(n, -1)
+    return torch.cat([packed.reshape(n, -1), tail], dim=1).contiguous()
+
+
+def q8_0_int8_layout(
+    qs: torch.Tensor,  # [out_features, groups, 32] int8, GGUF's Q8_0 codes
+) -> torch.Tensor:  # [out_features, groups * 32] int8
+    """GGUF Q8_0 codes -> the int8-activation kernel's layout (``QuantizedWeight.int8_codes``)."""
+    n, groups, _ = qs.shape
+    chunked = groups // 8 * 8
+    words = qs[:, :chunked].reshape(n, groups // 8, 8, 8, 4).transpose(2, 3)  # [N, chunk, word j, group i, byte e]
+    return torch.cat([words.reshape(n, -1), qs[:, chunked:].reshape(n, -1)], dim=1).contiguous()
 
 
 def quant_linear(
@@ -164,9 +202,12 @@ def quant_linear(
         raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
-    gemm = {("q4_1", "none"): ext.q4_1_gemm, ("q8_0", "none"): ext.q8_0_gemm,
-            ("q4_1", "q8"): ext.q4_1_gemm_q8, ("q8_0", "q8"): ext.q8_0_gemm_q8}[weight.qtype, activation_quant]
-    y = gemm(x2, *weight.tensors)
+    if activation_quant == "none":
+        y = (ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm)(x2, *weight.tensors)
+    elif weight.qtype == "q4_1":
+        y = ext.q4_1_gemm_q8(x2, weight.int8_codes(), weight.d, weight.m)
+    else:
+        y = ext.q8_0_gemm_q8(x2, weight.int8_codes(), weight.d)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, weight.out_features).to(x.dtype)

@@ -186,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.activation_quant = activation_quant
+                if activation_quant == "q8" and module.quant is not None:
+                    module.quant.int8_codes()  # the int8 kernel's code layout, built now rather than on step one
         self._head_activation_quant = activation_quant
 
     def forward(

@@ -4,7 +4,9 @@ BLAS path on AVX2 machines, and packing costs nothing per step.
 
 A layer may also hold its checkpoint's GGUF blocks (``quant``, see ``layers/quant_cpu.py``): the same
 weights in 4 or 8 bits. Decoding steps, which are bound by memory bandwidth on CPU, read those instead;
-long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM."""
+long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM. ``activation_quant`` ("none" | "q8",
+from ``EngineConfig.cpu_activation_quant``) says whether that kernel takes x in float32 or rounded to int8 per
+block of 32 (integer dot products; see ``layers/quant_cpu.py`` for the numerics)."""
 
 from __future__ import annotations
 

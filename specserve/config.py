@@ -128,10 +128,11 @@ class EngineConfig:
     seed: int = 0
     # Run a GGUF's Q4_1 / Q8_0 matrices straight from their blocks on CPU (same weights, fewer bytes).
     quantized_cpu_kernels: bool = True
-    # Activations of those block-quantized matmuls: "none" keeps x in float32 (exact up to fp32 rounding);
-    # "q8" rounds each row of x per block of 32 to int8 and uses integer dot products (faster verify steps, slightly
-    # different logits; see specserve/layers/quant_cpu.py). Each row stays independent of the others, so speculative
-    # greedy output still equals plain greedy output.
+    # Activations of those block-quantized matmuls: "none" keeps x in float32 (exact up to fp32 rounding; prefill
+    # chunks over 16 rows use fp32 GEMMs); "q8" rounds each row of x per block of 32 to int8 and uses integer dot
+    # products for every row count (cheaper verify steps and prefill, slightly different logits; see
+    # specserve/layers/quant_cpu.py). Each row stays independent of the others, so speculative greedy output still
+    # equals plain greedy output.
     cpu_activation_quant: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

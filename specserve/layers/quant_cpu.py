@@ -58,7 +58,7 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
-    # Q4_1 codes in the int8-activation kernel's layout, built on first use (``int8_codes()``)
+    # the codes in the int8-activation kernel's layout, built on first use (``int8_codes()``)
     _int8_codes: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

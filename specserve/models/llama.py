@@ -14,7 +14,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import QUANT_MAX_ROWS, Linear, pack_weight, packed_linear
+from specserve.layers.linear import Linear, pack_weight, packed_linear, use_quant_kernel
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
-        if self._quant_head is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+        if self._quant_head is not None and use_quant_kernel(hidden.shape[0], self._head_activation_quant):
             return quant_linear(hidden, self._quant_head, None, self._head_activation_quant).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()

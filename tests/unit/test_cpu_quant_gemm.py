@@ -187,9 +187,9 @@ def test_kernel_equals_integer_reference(kernel, qtype, num_rows, out_features, 
 @pytest.mark.parametrize("in_features", [96, 576, 2112])
 def test_row_alone_equals_row_in_batch(kernel, qtype, in_features) -> None:
     w = weight(qtype, 61, in_features, seed=3)
-    x = activations(16, in_features, seed=4)
-    alone = torch.cat([quant_linear(x[i:i + 1], w, activation_quant="q8") for i in range(16)])
-    for num_rows in range(1, 17):  # every tile shape (1..8 rows) and 8-row tiles plus a rest
+    x = activations(40, in_features, seed=4)
+    alone = torch.cat([quant_linear(x[i:i + 1], w, activation_quant="q8") for i in range(40)])
+    for num_rows in [*range(1, 17), 40]:  # every tile shape (1..8 rows), 8-row tiles plus a rest, a prefill chunk
         assert torch.equal(quant_linear(x[:num_rows], w, activation_quant="q8"), alone[:num_rows]), num_rows
     threads = torch.get_num_threads()
     try:
@@ -219,6 +219,12 @@ def test_bias_and_leading_dims(kernel) -> None:
     y = quant_linear(x, w, bias, activation_quant="q8")
     assert y.shape == (2, 3, 24)
     assert torch.equal(y, quant_linear(x.reshape(6, 64), w, activation_quant="q8").reshape(2, 3, 24) + bias)
+
+
+def test_q8_activations_take_the_kernel_at_every_row_count() -> None:
+    from specserve.layers.linear import QUANT_MAX_ROWS, use_quant_kernel
+    assert use_quant_kernel(QUANT_MAX_ROWS, "none") and not use_quant_kernel(QUANT_MAX_ROWS + 1, "none")
+    assert use_quant_kernel(1, "q8") and use_quant_kernel(4096, "q8")
 
 
 def test_bad_activation_quant_is_rejected(kernel) -> None:

@@ -1,13 +1,16 @@
 """CPU GEMM from GGUF blocks (specserve/kernels/cpu_quant_gemm.cpp) vs fp32 oneDNN-packed and plain F.linear.
 
 Shapes are SmolLM2-135M's projections (hidden 576, FFN 1536; fused q|k|v is 960 x 576, fused gate|up 3072 x 576)
-and its Q8_0 tied LM head (49152 x 576), at M = 1, 8, 32 rows (decode batch sizes). Two regimes:
+and its Q8_0 tied LM head (49152 x 576), at M = 1, 5, 8 rows by default (a decode step, a verify step of one
+request at num_spec_tokens 4, a batch of 8; ``--rows`` picks others). The quantized kernel runs twice, A/B: with
+float32 activations (the default, ``quant``) and with activations quantized per block of 32 to int8
+(``--cpu-activation-quant q8``, ``quant_q8``). Two regimes:
   cold: each call uses the next of several weight copies, together larger than the last-level cache, as in a
         real decode step where every weight is streamed from DRAM once (the number that matters);
   hot:  the same weight every call (fits in L3 for the small shapes; an upper bound).
 Reports the median time of one call (mean in the JSON), and the weight bytes per second it implies.
 
-    .venv/bin/python benchmarks/cpu_quant_gemm.py [--threads 2] [--repeats 7]
+    .venv/bin/python benchmarks/cpu_quant_gemm.py [--threads 2] [--repeats 7] [--rows 1,5,8]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from specserve.bench.machine import machine_info as machine  # noqa: E402
 from specserve.layers.quant_cpu import BLOCK_BYTES, QuantizedWeight, load_extension, quant_linear  # noqa: E402
 
 SHAPES = [("q4_1", 3072, 576), ("q4_1", 576, 1536), ("q4_1", 960, 576), ("q4_1", 576, 576), ("q8_0", 49152, 576)]
-ROWS = [1, 8, 32]
+ROWS = "1,5,8"
 COLD_BYTES = 192 << 20  # fp32 weight copies per shape add up to at least this (> 32 MiB L3, x6)
 
 
@@ -64,6 +67,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", default=ROWS, help="comma-separated row counts M")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "cpu_quant_gemm.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,7 +78,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = []
     header = (f"{'qtype':5} {'N':>6} {'K':>5} {'M':>3} {'regime':6} | {'quant us':>9} {'GB/s':>5} | "
-              f"{'packed us':>9} {'GB/s':>5} | {'F.linear us':>11} | {'packed/quant':>12}")
+              f"{'q8 act us':>9} {'fp32/q8':>7} | {'packed us':>9} {'GB/s':>5} | {'F.linear us':>11} | "
+              f"{'packed/quant':>12}")
     print(header)
     print("-" * len(header))
     for qtype, n, k in SHAPES:
@@ -83,22 +88,28 @@ def main() -> int:
         quant = [QuantizedWeight.from_gguf_bytes(random_blocks(rng, qtype, n, k), qtype, n, k) for _ in range(copies)]
         dense = [w.dequantize() for w in quant]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in dense]
-        for m in ROWS:
+        for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
             for regime, count in (("cold", copies), ("hot", 1)):
                 t_quant, mean_quant = time_per_call(quant_linear, [(x, w) for w in quant[:count]], args.repeats)
+                t_q8, mean_q8 = time_per_call(quant_linear, [(x, w, None, "q8") for w in quant[:count]],
+                                              args.repeats)
                 t_packed, mean_packed = time_per_call(
                     lambda x_, w_: torch.ops.mkldnn._linear_pointwise(x_, w_, None, "none", [], ""),
                     [(x, w) for w in packed[:count]], args.repeats)
                 t_linear, mean_linear = time_per_call(F.linear, [(x, w) for w in dense[:count]], args.repeats)
                 row = {"qtype": qtype, "N": n, "K": k, "M": m, "regime": regime, "weight_copies": count,
                        "quant_bytes": quant[0].nbytes, "fp32_bytes": fp32_bytes,
-                       "quant_us": t_quant * 1e6, "packed_fp32_us": t_packed * 1e6, "linear_fp32_us": t_linear * 1e6,
-                       "quant_mean_us": mean_quant * 1e6, "packed_fp32_mean_us": mean_packed * 1e6,
+                       "quant_us": t_quant * 1e6, "quant_q8_us": t_q8 * 1e6,
+                       "fp32_act_over_q8_act": t_quant / t_q8,
+                       "packed_fp32_us": t_packed * 1e6, "linear_fp32_us": t_linear * 1e6,
+                       "quant_mean_us": mean_quant * 1e6, "quant_q8_mean_us": mean_q8 * 1e6,
+                       "packed_fp32_mean_us": mean_packed * 1e6,
                        "linear_fp32_mean_us": mean_linear * 1e6,
                        "quant_GBps": quant[0].nbytes / t_quant / 1e9, "packed_fp32_GBps": fp32_bytes / t_packed / 1e9}
                 rows.append(row)
                 print(f"{qtype:5} {n:6} {k:5} {m:3} {regime:6} | {row['quant_us']:9.1f} {row['quant_GBps']:5.1f} | "
+                      f"{row['quant_q8_us']:9.1f} {t_quant / t_q8:6.2f}x | "
                       f"{row['packed_fp32_us']:9.1f} {row['packed_fp32_GBps']:5.1f} | {row['linear_fp32_us']:11.1f} | "
                       f"{t_packed / t_quant:11.2f}x")
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),

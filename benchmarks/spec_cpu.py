@@ -22,6 +22,9 @@ Writes JSON under benchmarks/results/ and prints a table.
     .venv/bin/python benchmarks/spec_cpu.py
     .venv/bin/python benchmarks/spec_cpu.py --workloads verbatim --batches 1 --methods none,ngram \
         --num-prompts 17 --ngram-min 2 --repeats 3     (the issue's bar: n-gram k = 4 vs none, batch 1)
+
+``--cpu-activation-quant q8`` runs every method with int8 activations in the block-quantized kernels
+(``EngineConfig.cpu_activation_quant``; recorded in the JSON); both sides of every ratio use the same setting.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 
 from specserve.bench.machine import machine_info
-from specserve.config import SpecConfig
+from specserve.config import CPU_ACTIVATION_QUANTS, SpecConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {"none": None, "ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy"}
@@ -58,7 +61,7 @@ def mt_bench_prompts(data_dir: Path) -> list[tuple[str, str]]:
 
 
 def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max_tokens: int,
-        ignore_eos: bool, ngram: tuple[int, int]) -> dict:
+        ignore_eos: bool, ngram: tuple[int, int], cpu_activation_quant: str) -> dict:
     import torch
 
     from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -68,6 +71,7 @@ def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max
     spec = SpecConfig(method=method, model=METHODS[method], num_spec_tokens=k, ngram_min=ngram[0],
                       ngram_max=ngram[1]) if method != "none" else SpecConfig()
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=1.0), speculative=spec,
+                       cpu_activation_quant=cpu_activation_quant,
                        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=2048))
     engine = LLMEngine(cfg, *parts)
     engine.generate(prompt_ids[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
@@ -99,6 +103,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
     ap.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
+    ap.add_argument("--cpu-activation-quant", choices=CPU_ACTIVATION_QUANTS, default="none",
+                    help="activations of the Q4_1/Q8_0 CPU kernels: none (float32) or q8 (int8 per block of 32)")
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
     ap.add_argument("--num-prompts", type=int, default=6, help="per workload and batch size")
     ap.add_argument("--repeats", type=int, default=1, help="run every method this many times, alternating; the "
@@ -111,12 +117,13 @@ def main() -> int:
 
     from specserve.models.loader import load_model
 
-    parts = load_model("default", "float32", torch.device("cpu"), 2048)
+    parts = load_model("default", "float32", torch.device("cpu"), 2048, cpu_activation_quant=args.cpu_activation_quant)
     tokenizer = parts[2]
     data_dir = Path(args.data_dir)
     sources = {"verbatim": verbatim_prompts, "mt_bench": mt_bench_prompts}
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine_info(),
               "model": "SmolLM2-135M-Instruct (Q4_1 GGUF), float32, CPU kernels", "greedy": True,
+              "cpu_activation_quant": args.cpu_activation_quant,
               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_spec_tokens": args.num_spec_tokens,
               "ngram_min_max": [args.ngram_min, args.ngram_max],
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
@@ -132,7 +139,7 @@ def main() -> int:
                 base = None
                 for method in args.methods.split(","):
                     r = run(parts, method, args.num_spec_tokens, batch, prompt_ids, args.max_tokens,
-                            args.ignore_eos, (args.ngram_min, args.ngram_max))
+                            args.ignore_eos, (args.ngram_min, args.ngram_max), args.cpu_activation_quant)
                     outputs = r.pop("outputs")
                     if method == "none":
                         base = (r["output_tok_s"], outputs, r["mean_tpot_ms"])

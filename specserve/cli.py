@@ -7,6 +7,7 @@ import logging
 import sys
 
 from specserve.config import (
+    CPU_ACTIVATION_QUANTS,
     MAX_NUM_SPEC_TOKENS,
     QUANTIZATION_METHODS,
     SPEC_METHODS,
@@ -38,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Triton W4A16 GEMM on GPU); CPU runs reference maths")
     g.add_argument("--no-quantized-cpu-kernels", action="store_true",
                    help="on CPU, compute with dequantized fp32 weights instead of the GGUF's Q4_1/Q8_0 blocks")
+    g.add_argument("--cpu-activation-quant", choices=CPU_ACTIVATION_QUANTS, default="none",
+                   help="activations of the Q4_1/Q8_0 CPU kernels: none (float32) or q8 (int8 per block of 32 with "
+                        "integer dot products: cheaper verify steps, slightly different logits)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -96,6 +100,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         seed=args.seed, quantized_cpu_kernels=not args.no_quantized_cpu_kernels, quantization=args.quantization,
+        cpu_activation_quant=args.cpu_activation_quant,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_gib=args.kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

@@ -82,6 +82,9 @@ class SchedulerConfig:
 
 
 QUANTIZATION_METHODS = ("fp8", "int4")
+# EngineConfig.cpu_activation_quant: activations of the block-quantized CPU matmuls (float32, or int8 per block of 32)
+CPU_ACTIVATION_QUANTS = ("none", "q8")
+
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
 # Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
 SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
@@ -130,6 +133,12 @@ class EngineConfig:
     # "fp8" = e4m3 weights per output channel, activations per token (torch._scaled_mm on GPU); "int4" =
     # weight-only, group-wise asymmetric 4-bit (AWQ-style, Triton W4A16 GEMM on GPU). CPU runs reference maths.
     quantization: str | None = None
+    # Activations of those block-quantized matmuls: "none" keeps x in float32 (exact up to fp32 rounding; prefill
+    # chunks over 16 rows use fp32 GEMMs); "q8" rounds each row of x per block of 32 to int8 and uses integer dot
+    # products for every row count (cheaper verify steps and prefill, slightly different logits; see
+    # specserve/layers/quant_cpu.py). Each row stays independent of the others, so speculative greedy output still
+    # equals plain greedy output.
+    cpu_activation_quant: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
@@ -139,6 +148,10 @@ class EngineConfig:
                  f"unsupported dtype {self.dtype!r}")
         _require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
                  f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), not {self.quantization!r}")
+        _require(self.cpu_activation_quant in CPU_ACTIVATION_QUANTS, "cpu_activation_quant",
+                 f"must be one of {', '.join(CPU_ACTIVATION_QUANTS)}, got {self.cpu_activation_quant!r}")
+        _require(self.cpu_activation_quant == "none" or self.quantized_cpu_kernels, "cpu_activation_quant",
+                 "needs quantized_cpu_kernels (it applies to the block-quantized CPU kernels only)")
 
 
 @dataclass

@@ -69,7 +69,8 @@ class LLMEngine:
         from specserve.models.loader import load_model
         model, model_config, tokenizer = load_model(config.model, config.dtype, torch.device(config.device),
                                                     config.scheduler.max_model_len, config.seed,
-                                                    config.quantized_cpu_kernels, config.quantization)
+                                                    config.quantized_cpu_kernels, config.quantization,
+                                                    config.cpu_activation_quant)
         return cls(config, model, model_config, tokenizer, metrics)
 
     # ---- requests ------------------------------------------------------------------------------

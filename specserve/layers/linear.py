@@ -4,7 +4,10 @@ BLAS path on AVX2 machines, and packing costs nothing per step.
 
 A layer may also hold its checkpoint's GGUF blocks (``quant``, see ``layers/quant_cpu.py``): the same
 weights in 4 or 8 bits. Decoding steps, which are bound by memory bandwidth on CPU, read those instead;
-long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM."""
+long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM. ``activation_quant`` ("none" | "q8",
+from ``EngineConfig.cpu_activation_quant``) says whether that kernel takes x in float32 or rounded to int8 per
+block of 32 (integer dot products; see ``layers/quant_cpu.py`` for the numerics); with "q8" the kernel takes
+every row count, prefill included."""
 
 from __future__ import annotations
 
@@ -35,8 +38,15 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-# Row counts up to this use the block-quantized kernel when a layer has one; more rows use fp32.
+# Row counts up to this use the block-quantized kernel when a layer has one; more rows use fp32. With int8
+# activations ("q8") every row count uses the kernel: a row's result then never depends on the rows batched with it
+# (a prefill chunk, other requests), and at prefill sizes the int8 kernel is no slower than oneDNN's fp32 GEMM.
 QUANT_MAX_ROWS = 16
+
+
+def use_quant_kernel(num_rows: int, activation_quant: str) -> bool:
+    """Whether a layer holding GGUF blocks runs ``num_rows`` rows through the block-quantized kernel."""
+    return activation_quant == "q8" or num_rows <= QUANT_MAX_ROWS
 
 
 class Linear(nn.Linear):
@@ -45,6 +55,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     quant: object | None = None  # QuantizedWeight holding exactly ``weight``, in block form
+    activation_quant: str = "none"  # "none" | "q8": how ``quant``'s kernel takes x (EngineConfig.cpu_activation_quant)
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -53,8 +64,8 @@ class Linear(nn.Linear):
         self,
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
-        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
-            return quant_linear(x, self.quant, self.bias)
+        if self.quant is not None and use_quant_kernel(x.shape[0], self.activation_quant):
+            return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -10,11 +10,22 @@ fails; callers then keep fp32 weights (``QuantizedWeight.dequantize()``).
 Block formats (ggml's, 32 consecutive weights along in_features of one output row):
     Q4_1: 20 bytes = d f16, m f16, qs[16] u8;  w[j] = d * (qs[j] & 0xF) + m,  w[j + 16] = d * (qs[j] >> 4) + m
     Q8_0: 34 bytes = d f16, qs[32] i8;         w[j] = d * qs[j]
+
+Activations (``activation_quant``, from ``EngineConfig.cpu_activation_quant``):
+    "none" (default, the oracle): x stays float32; the kernel converts the codes to float and FMAs them with x.
+    "q8": each row of x is first quantized per block of 32 to int8 with one float32 scale (the idea of llama.cpp's
+          Q8_1 activation blocks; our own code): dx = max|x| / 127, xq = round-half-even(x / dx) in [-127, 127],
+          x ~ dx * xq. The kernel then takes exact integer dot products of the codes with xq (AVX2 maddubs/madd)
+          and computes ``sum_g (d * dx) * (q . xq) + m * dx * sum(xq)``, i.e. exactly
+          ``dequantize() @ (dx * xq)`` up to float32 rounding (``q8_reference`` is that computation in torch).
+          Numerics change: x itself is rounded to ~8 bits per block (relative error up to 1/254 of the block's
+          largest |x| per element), so logits differ slightly from "none"; each row's result still does not depend
+          on the other rows of the call, so speculative greedy output equals plain greedy output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -23,6 +34,8 @@ import torch
 from specserve.kernels.loader import CpuKernel
 
 QType = Literal["q4_1", "q8_0"]
+ActivationQuant = Literal["none", "q8"]
+ACTIVATION_QUANTS = ("none", "q8")
 BLOCK_SIZE = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 CODE_BYTES = {"q4_1": 16, "q8_0": 32}  # integer codes per block, in bytes
@@ -45,6 +58,8 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    # the codes in the int8-activation kernel's layout, built on first use (``int8_codes()``)
+    _int8_codes: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -126,6 +141,18 @@ class QuantizedWeight:
         return cls(first.qtype, sum(w.out_features for w in weights), first.in_features,
                    torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m)
 
+    def int8_codes(self) -> torch.Tensor:  # [out_features, row_bytes] uint8 (q4_1) / int8 (q8_0)
+        """The codes as the int8-activation kernel reads them (built once, then kept: as many bytes again as qs).
+
+        Per output row, each chunk of 8 groups is interleaved so that one 32-byte vector carries 4 codes of each of
+        the 8 groups (see ``cpu_quant_gemm.cpp``); the last ``G % 8`` groups keep GGUF's layout.
+        Q8_0: chunk byte ``32j + 4i + e`` = code of weight ``4j + e`` of the chunk's group ``i`` (256 bytes).
+        Q4_1: chunk byte ``32t + 4i + e`` = codes of weights ``8t + e`` (low nibble) and ``8t + 4 + e`` (high) of
+        group ``i`` (128 bytes)."""
+        if self._int8_codes is None:
+            self._int8_codes = q4_1_int8_layout(self.qs) if self.qtype == "q4_1" else q8_0_int8_layout(self.qs)
+        return self._int8_codes
+
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         """Reference dequantization in plain torch; bit-identical to ``gguf.quants.dequantize``."""
         if self.qtype == "q4_1":
@@ -136,19 +163,73 @@ class QuantizedWeight:
         return w.reshape(self.out_features, self.in_features)
 
 
+def q4_1_int8_layout(
+    qs: torch.Tensor,  # [out_features, groups, 16] uint8, GGUF's Q4_1 codes
+) -> torch.Tensor:  # [out_features, groups // 8 * 128 + groups % 8 * 16] uint8
+    """GGUF Q4_1 codes -> the int8-activation kernel's layout (``QuantizedWeight.int8_codes``)."""
+    n, groups, _ = qs.shape
+    chunked = groups // 8 * 8
+    codes = torch.cat([qs[:, :chunked] & 0xF, qs[:, :chunked] >> 4], dim=-1)  # [N, chunked, 32]: weights in order
+    # [N, chunk, group i, word j, byte e] -> [N, chunk, j, i, e]: vector j holds word j (4 codes) of each group
+    words = codes.reshape(n, groups // 8, 8, 8, 4).transpose(2, 3).reshape(n, groups // 8, 8, 32)
+    packed = words[:, :, 0::2] | (words[:, :, 1::2] << 4)  # [N, chunk, 4, 32]: vector 2t low nibbles, 2t+1 high
+    tail = qs[:, chunked:].reshape(n, -1)
+    return torch.cat([packed.reshape(n, -1), tail], dim=1).contiguous()
+
+
+def q8_0_int8_layout(
+    qs: torch.Tensor,  # [out_features, groups, 32] int8, GGUF's Q8_0 codes
+) -> torch.Tensor:  # [out_features, groups * 32] int8
+    """GGUF Q8_0 codes -> the int8-activation kernel's layout (``QuantizedWeight.int8_codes``)."""
+    n, groups, _ = qs.shape
+    chunked = groups // 8 * 8
+    words = qs[:, :chunked].reshape(n, groups // 8, 8, 8, 4).transpose(2, 3)  # [N, chunk, word j, group i, byte e]
+    return torch.cat([words.reshape(n, -1), qs[:, chunked:].reshape(n, -1)], dim=1).contiguous()
+
+
 def quant_linear(
     x: torch.Tensor,  # [num_rows, in_features] (any leading dims)
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [out_features]
+    activation_quant: ActivationQuant = "none",
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``."""
+    """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``.
+    ``activation_quant="q8"`` quantizes x per block of 32 to int8 first (see the module docstring)."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("the quantized CPU kernel is unavailable (see the log); keep fp32 weights instead")
+    if activation_quant not in ACTIVATION_QUANTS:
+        raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
-    gemm = ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm
-    y = gemm(x2, *weight.tensors)
+    if activation_quant == "none":
+        y = (ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm)(x2, *weight.tensors)
+    elif weight.qtype == "q4_1":
+        y = ext.q4_1_gemm_q8(x2, weight.int8_codes(), weight.d, weight.m)
+    else:
+        y = ext.q8_0_gemm_q8(x2, weight.int8_codes(), weight.d)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, weight.out_features).to(x.dtype)
+
+
+def quantize_q8_reference(
+    x: torch.Tensor,  # [num_rows, in_features] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # xq [num_rows, in_features / 32, 32] float32 integers, dx [num_rows, G]
+    """The kernel's per-block int8 quantization of x in plain torch (bit-identical to ``ext.quantize_q8``)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK_SIZE)  # [M, G, 32]
+    dx = blocks.abs().amax(dim=-1) / 127.0  # [M, G]
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(blocks * inv.unsqueeze(-1))  # half to even, as the kernel's cvtps / nearbyint
+    return xq, dx
+
+
+def q8_reference(
+    x: torch.Tensor,  # [num_rows, in_features] float32
+    weight: QuantizedWeight,
+) -> torch.Tensor:  # [num_rows, out_features] float64
+    """What ``quant_linear(x, weight, activation_quant="q8")`` computes, in float64 torch: the dequantized weight
+    times the int8-quantized x (``dx * xq``); the kernel differs from it by float32 rounding only."""
+    xq, dx = quantize_q8_reference(x)
+    x_hat = (xq.double() * dx.double().unsqueeze(-1)).reshape(x.shape[0], weight.in_features)
+    return x_hat @ weight.dequantize().double().T

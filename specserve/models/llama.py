@@ -14,7 +14,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import QUANT_MAX_ROWS, Linear, pack_weight, packed_linear
+from specserve.layers.linear import Linear, pack_weight, packed_linear, use_quant_kernel
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
@@ -121,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
         self._packed_head: torch.Tensor | None = None
         self._quant_head = None  # QuantizedWeight of the LM head, when the checkpoint has one
+        self._head_activation_quant = "none"  # how the LM head's kernel takes the hidden states
         self.ops = TorchOps()
 
     def set_ops(self, ops: TorchOps) -> None:
@@ -142,9 +143,10 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
 
-    def attach_quantized(self, tensors: dict) -> int:
+    def attach_quantized(self, tensors: dict, activation_quant: str = "none") -> int:
         """Give projections their checkpoint's GGUF blocks (``{hf_name: QuantizedTensor}``) so small batches
-        run the block-quantized CPU kernel. Returns how many layers got them (0 if the kernel is unavailable).
+        run the block-quantized CPU kernel, taking activations as ``activation_quant`` ("none": float32, "q8":
+        int8 per block of 32). Returns how many layers got them (0 if the kernel is unavailable).
         Fused projections get blocks only when all their parts are quantized in one format."""
         if load_extension() is None:
             return 0
@@ -173,7 +175,20 @@ class LlamaForCausalLM(nn.Module):
                 module.quant = fused(names)
                 count += module.quant is not None
         self._quant_head = block_weight("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        self.set_activation_quant(activation_quant)
         return count + (self._quant_head is not None)
+
+    def set_activation_quant(self, activation_quant: str) -> None:
+        """How the block-quantized kernels take activations: "none" (float32) or "q8" (int8 per block of 32)."""
+        from specserve.layers.quant_cpu import ACTIVATION_QUANTS
+        if activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.activation_quant = activation_quant
+                if activation_quant == "q8" and module.quant is not None:
+                    module.quant.int8_codes()  # the int8 kernel's code layout, built now rather than on step one
+        self._head_activation_quant = activation_quant
 
     def forward(
         self,
@@ -203,8 +218,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
-        if self._quant_head is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
-            return quant_linear(hidden, self._quant_head).float()
+        if self._quant_head is not None and use_quant_kernel(hidden.shape[0], self._head_activation_quant):
+            return quant_linear(hidden, self._quant_head, None, self._head_activation_quant).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -52,7 +52,8 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
-               seed: int = 0, quantized_cpu_kernels: bool = True, quantization: str | None = None):
+               seed: int = 0, quantized_cpu_kernels: bool = True, quantization: str | None = None,
+               cpu_activation_quant: str = "none"):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
@@ -60,6 +61,8 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     matrices also stay in block form for the CPU kernel (fp32 on CPU only). ``quantization`` "fp8" / "int4"
     quantizes the decoder layers' projections after loading (``models/quantize.py``); an AWQ checkpoint directory
     (4-bit "gemm", config.json ``quantization_config.quant_method == "awq"``) loads its projections as int4.
+    The block-quantized CPU kernels take their activations as ``cpu_activation_quant`` ("none": float32; "q8":
+    int8 per block of 32, see ``layers/quant_cpu.py``).
     """
     dtype = resolve_dtype(dtype_name, device)
     if model.startswith("dummy:"):
@@ -104,7 +107,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     net.pack_weights()
     if quantized and quantized_cpu_kernels and quantization is None and device.type == "cpu" \
             and dtype == torch.float32:
-        net.attach_quantized(quantized)
+        net.attach_quantized(quantized, cpu_activation_quant)
     return net, config, tokenizer
 
 

@@ -49,5 +49,5 @@ def load_draft_model(config: EngineConfig, target, target_config: ModelConfig, d
     if not name.startswith("dummy:") and not Path(name).expanduser().exists():
         raise FileNotFoundError(f"speculative.model: {name} does not exist")
     model, _, _ = load_model(name, config.dtype, device, target.max_position, config.seed,
-                             config.quantized_cpu_kernels)
+                             config.quantized_cpu_kernels, cpu_activation_quant=config.cpu_activation_quant)
     return model

@@ -40,6 +40,15 @@ def test_flags_reach_the_engine_config() -> None:
     assert cfg.cache.block_size == 8
 
 
+def test_cpu_activation_quant_flag_reaches_the_engine_config() -> None:
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).cpu_activation_quant == "none"
+    args = build_parser().parse_args(["serve", "--cpu-activation-quant", "q8"])
+    assert engine_config_from_args(args).cpu_activation_quant == "q8"
+    with pytest.raises(ValueError, match="cpu_activation_quant"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--cpu-activation-quant", "q8",
+                                                           "--no-quantized-cpu-kernels"]))
+
+
 def test_bad_config_values_name_the_field() -> None:
     args = build_parser().parse_args(["serve", "--max-num-seqs", "0"])
     with pytest.raises(ValueError, match="max_num_seqs"):

@@ -181,6 +181,7 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing (approximate pool size)
         self.num_replays = 0
+        self.replays_by_query_len: dict[int, int] = {}  # q -> replays (capture) or static steps (no capture)
 
     # ---- which steps fit -----------------------------------------------------------------------
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -221,8 +222,8 @@ class CudaGraphRunner:
     def _num_splits(self, bucket: int) -> int | None:
         if self.config.num_splits is not None:
             return self.config.num_splits
-        choose = getattr(self.backend, "graph_num_splits", None)
-        return choose(bucket, self.num_kv_heads, self.device) if choose is not None and self.capture else None
+        choose = getattr(self.backend, "graph_num_splits", None)  # the same with and without capture
+        return choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
 
     def _build(self, bucket: int, query_len: int, aux_layer_ids: tuple[int, ...]) -> StaticStep:
         q, t = query_len, bucket * query_len
@@ -319,6 +320,7 @@ class CudaGraphRunner:
             self.num_replays += 1
         else:
             step.forward()
+        self.replays_by_query_len[q] = self.replays_by_query_len.get(q, 0) + 1
         if num_tokens == num_seqs * q:  # every row full: real tokens are the first num_tokens rows
             return self.hidden_out[:num_tokens], [buf[:num_tokens].clone() for buf in step.aux_out]
         index = self.staging[len(values) - num_tokens:len(values)]  # [num_tokens] rows of the real tokens

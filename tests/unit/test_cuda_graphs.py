@@ -204,8 +204,9 @@ def test_random_buckets_and_batches(data):
         results.append((hidden.clone(), [(k.clone(), v.clone()) for k, v in runner.kv_caches]))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
     for (k0, v0), (k1, v1) in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(k1, k0, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(v1, v0, atol=1e-6, rtol=1e-6)
+        # Layer 0's K/V are bit-identical; later layers' differ by float round-off of other GEMM shapes.
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
 
 
 def test_steps_that_do_not_fit_stay_eager():

@@ -8,10 +8,12 @@ import sys
 
 from specserve.config import (
     CPU_ACTIVATION_QUANTS,
+    DEFAULT_CUDA_GRAPH_BATCH_SIZES,
     MAX_NUM_SPEC_TOKENS,
     QUANTIZATION_METHODS,
     SPEC_METHODS,
     CacheConfig,
+    CudaGraphConfig,
     EngineConfig,
     SchedulerConfig,
     SpecConfig,
@@ -54,6 +56,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit (prompt + output tokens) per request")
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step instead of budget-sized chunks")
+    g = p.add_argument_group("CUDA graphs", "decode and verify steps replayed from graphs captured per batch "
+                             "bucket (GPU with the Triton attention backend only)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs: run every step eagerly")
+    g.add_argument("--cuda-graph-batch-sizes", default=",".join(map(str, DEFAULT_CUDA_GRAPH_BATCH_SIZES)),
+                   metavar="N,N,...", help="batch-size buckets captured (a step pads to the next one)")
+    g.add_argument("--cuda-graph-max-query-len", type=int, default=CudaGraphConfig.max_query_len,
+                   help="longest query (1 + drafts) a captured step may have; longer ones run eagerly")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
     g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",
@@ -73,7 +83,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 # Config fields whose flag is not simply ``--`` + the field name with dashes.
 _FLAG_OF_FIELD = {"num_blocks": "--num-kv-blocks", "speculative.method": "--spec-method",
-                  "speculative.model": "--spec-model"}
+                  "speculative.model": "--spec-model", "cuda_graphs.batch_sizes": "--cuda-graph-batch-sizes",
+                  "cuda_graphs.max_query_len": "--cuda-graph-max-query-len"}
 
 
 def config_error_message(exc: Exception) -> str:
@@ -94,6 +105,17 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
         raise ValueError(f"speculative.{exc}") from None
 
 
+def cuda_graph_config_from_args(args: argparse.Namespace) -> CudaGraphConfig:
+    """The ``CudaGraphConfig`` of the flags; a bad value raises ValueError naming ``cuda_graphs.<field>``."""
+    try:
+        sizes = tuple(int(x) for x in args.cuda_graph_batch_sizes.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"cuda_graphs.batch_sizes: not a comma-separated list of integers: "
+                         f"{args.cuda_graph_batch_sizes!r}") from None
+    return CudaGraphConfig(enabled=not args.enforce_eager, batch_sizes=sizes,
+                           max_query_len=args.cuda_graph_max_query_len)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` the flags describe; raises ValueError naming the config field of a bad value."""
     model = f"dummy:{args.model_shape}" if args.load_format == "dummy" else args.model
@@ -108,6 +130,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=not args.no_chunked_prefill,
                                   max_model_len=args.max_model_len),
         speculative=spec_config_from_args(args),
+        cuda_graphs=cuda_graph_config_from_args(args),
     )
 
 

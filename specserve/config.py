@@ -85,6 +85,41 @@ QUANTIZATION_METHODS = ("fp8", "int4")
 # EngineConfig.cpu_activation_quant: activations of the block-quantized CPU matmuls (float32, or int8 per block of 32)
 CPU_ACTIVATION_QUANTS = ("none", "q8")
 
+# Batch-size buckets of CUDA-graph decode/verify steps: a step of 5 sequences replays the bucket-8 graph.
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Longest query (1 + drafts) a captured step may have: the Triton backend's short-sequence (decode) kernel limit.
+MAX_CUDA_GRAPH_QUERY_LEN = 16
+
+
+@dataclass
+class CudaGraphConfig:
+    """CUDA graphs for decode and verify steps (``engine/cuda_graphs.py``): a step whose every sequence has the
+    same query length ``q <= max_query_len`` (1: decode; 1 + drafts: verify) and whose batch fits a bucket of
+    ``batch_sizes`` replays a graph captured for (bucket, q), padded to the bucket. Mixed steps (prefill chunks)
+    run eagerly. Only used on CUDA with an attention backend that supports capture (the Triton backend).
+
+    ``num_splits``: key-range splits of the captured decode kernel (None: chosen per bucket from the SM count).
+    ``capture_at_startup``: capture q = 1 (and 1 + the server's ``num_spec_tokens``) for every bucket when the
+    engine starts; other query lengths are captured the first time a step needs them."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    max_query_len: int = 8
+    num_splits: int | None = None
+    capture_at_startup: bool = True
+
+    def __post_init__(self) -> None:
+        self.batch_sizes = tuple(self.batch_sizes)
+        _require(len(self.batch_sizes) > 0, "cuda_graphs.batch_sizes", "must name at least one batch size")
+        _require(all(int(b) == b and b > 0 for b in self.batch_sizes), "cuda_graphs.batch_sizes",
+                 "must be positive integers")
+        _require(list(self.batch_sizes) == sorted(set(self.batch_sizes)), "cuda_graphs.batch_sizes",
+                 "must be strictly increasing")
+        _require(1 <= self.max_query_len <= MAX_CUDA_GRAPH_QUERY_LEN, "cuda_graphs.max_query_len",
+                 f"must be in [1, {MAX_CUDA_GRAPH_QUERY_LEN}]")
+        _require(self.num_splits is None or self.num_splits >= 1, "cuda_graphs.num_splits", "must be >= 1")
+
+
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
 # Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
 SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
@@ -142,6 +177,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",

@@ -63,6 +63,10 @@ class LLMEngine:
         spec = config.speculative
         self.default_spec = SpecParams(spec.method, spec.num_spec_tokens) if spec.method != "none" else SPEC_OFF
         self.default_num_spec_tokens = spec.num_spec_tokens
+        # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
+        startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
+        self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
+                                      self.aux_layer_ids, startup_query_lens)
 
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: MetricsSink | None = None) -> LLMEngine:

@@ -7,6 +7,10 @@ distribution after the last token and after each draft).
     input_ids               = [a0 a1 a2 b5 c7 d1 d2]
     positions               = [ 0  1  2  5  7  8  9]
     logits rows             = [2, 3, 4, 5, 6]   -> logit_starts = [0, 1, 2]
+
+A step whose queries are all short (decode, verify of up to ``CudaGraphConfig.max_query_len - 1`` drafts) and whose
+batch fits a bucket runs padded in static buffers instead, replaying a CUDA graph on GPU
+(``engine/cuda_graphs.py``); the logits are computed from its hidden states the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import CacheConfig, ModelConfig
+from specserve.config import CacheConfig, CudaGraphConfig, ModelConfig
+from specserve.engine.cuda_graphs import CudaGraphRunner
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.layers.attention import AttentionBackend, TorchAttentionBackend, build_attention_metadata
 from specserve.models.llama import LlamaForCausalLM
@@ -86,6 +91,24 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config.num_hidden_layers, self.num_blocks, self.block_size,
                                             model_config.num_key_value_heads, model_config.head_dim,
                                             self.dtype, device)
+        # Uniform decode/verify steps go through padded static buffers (CUDA graphs on GPU); see setup_cuda_graphs.
+        self.graphs: CudaGraphRunner | None = None
+
+    def setup_cuda_graphs(self, config: CudaGraphConfig, max_model_len: int, max_num_seqs: int,
+                          aux_layer_ids: tuple[int, ...] = (), startup_query_lens: tuple[int, ...] = (1,)) -> None:
+        """Turn CUDA graphs on for decode/verify steps when ``config.enabled``, the device is CUDA and the attention
+        backend is capturable (the Triton backend; the torch reference is not); capture ``startup_query_lens``
+        for every bucket now when ``config.capture_at_startup``. Otherwise every step stays eager."""
+        if not config.enabled or self.device.type != "cuda":
+            return
+        if not getattr(self.backend, "capturable", False):
+            logger.warning("CUDA graphs disabled: the %s attention backend cannot be captured",
+                           type(self.backend).__name__)
+            return
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, config, self.block_size,
+                                      max_model_len, max_num_seqs, self.device, capture=True)
+        if config.capture_at_startup:
+            self.graphs.capture_all(list(startup_query_lens), aux_layer_ids)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -121,7 +144,10 @@ class ModelRunner:
             if s.samples:
                 logit_starts.append(len(logit_rows))
                 logit_rows.extend(range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids)))
-        hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+        if self.graphs is not None and self.graphs.fits(query_lens, seq_lens):
+            hidden, aux = self.graphs.run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+        else:
+            hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return StepOutput(logits, logit_starts, token_starts, dict(zip(sorted(aux_layer_ids), aux)))

@@ -84,6 +84,16 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at ``meta.slot_mapping``, then attend."""
 
+    def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
+                       query_len: int, num_splits: int | None = None) -> None:
+        """``prepare()`` for a padded uniform batch (every sequence has ``query_len`` tokens), reading only
+        device tensors: ``seq_lens`` ``[num_seqs]`` int32, ``meta.block_tables`` of a fixed width, and
+        ``meta.slot_mapping`` / ``meta.query_start_loc``; ``meta.seq_lens`` (host) is not read. Output shapes
+        and launch grids depend only on (num_seqs, query_len, table width), so a CUDA graph of prepare_static
+        + the model's forward replays any step of that shape (``engine/cuda_graphs.py``). A backend whose
+        ``capturable`` attribute is True may be captured; the others run this path eagerly only.
+        ``num_splits``: key-range splits, pinned for the capture, where the backend splits keys (Triton)."""
+
 
 def build_attention_metadata(
     query_lens: list[int],
@@ -141,7 +151,28 @@ class _LongSeq:
 
 
 class TorchAttentionBackend:
-    """Reference backend in plain torch (any device). It is the oracle the Triton kernels are tested against."""
+    """Reference backend in plain torch (any device). It is the oracle the Triton kernels are tested against.
+    Not capturable: ``forward`` syncs on the host (which slots to write) and ``prepare`` sizes tensors from
+    host lists."""
+
+    capturable = False
+
+    def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
+                       query_len: int, num_splits: int | None = None) -> None:
+        """Every sequence in one padded group of ``query_len`` queries over keys ``0 .. width * block_size - 1``
+        (the whole block table), masked by ``seq_lens`` on the device; no host reads."""
+        device = meta.slot_mapping.device
+        num_seqs, width = meta.block_tables.shape
+        s_lens = seq_lens.to(torch.int64)  # [G]
+        kv_pos = torch.arange(width * block_size, device=device)  # [S]
+        kv_slots = meta.block_tables[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [G, S]
+        q_off = torch.arange(query_len, device=device)  # [Q]
+        q_index = meta.query_start_loc[:num_seqs, None] + q_off[None, :]  # [G, Q]
+        q_pos = (s_lens - query_len)[:, None] + q_off[None, :]  # [G, Q]
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < s_lens[:, None, None])
+        valid = torch.ones((num_seqs, query_len), dtype=torch.bool, device=device)
+        group = _PaddedGroup(kv_slots, q_index, mask.unsqueeze(1), valid, q_index.reshape(-1), uniform=True)
+        meta.extra = {"group": group, "longs": []}
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.slot_mapping.device

@@ -28,6 +28,8 @@ load_attention_extension = KERNEL.load
 class CpuPagedAttentionBackend:
     """``AttentionBackend`` for fp32 on CPU: attends straight from the paged cache (no K/V gather, no mask)."""
 
+    capturable = False
+
     def __init__(self, ext: ModuleType | None = None) -> None:
         ext = ext if ext is not None else load_attention_extension()
         if ext is None:
@@ -41,6 +43,17 @@ class CpuPagedAttentionBackend:
             "block_size": block_size,
             "seq_lens": torch.tensor(meta.seq_lens, dtype=torch.int64),  # [num_seqs]
             "block_tables": meta.block_tables.to("cpu", torch.int64).contiguous(),  # [num_seqs, max_blocks]
+            "query_start_loc": meta.query_start_loc.to("cpu", torch.int64).contiguous(),  # [num_seqs + 1]
+            "slot_mapping": meta.slot_mapping.to("cpu", torch.int64).contiguous(),  # [num_tokens]
+        }
+
+    def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
+                       query_len: int, num_splits: int | None = None) -> None:
+        """``prepare()`` from device tensors only (the kernel reads seq_lens as a tensor anyway)."""
+        meta.extra = {
+            "block_size": block_size,
+            "seq_lens": seq_lens.to("cpu", torch.int64),  # [num_seqs]
+            "block_tables": meta.block_tables.to("cpu", torch.int64).contiguous(),  # [num_seqs, width]
             "query_start_loc": meta.query_start_loc.to("cpu", torch.int64).contiguous(),  # [num_seqs + 1]
             "slot_mapping": meta.slot_mapping.to("cpu", torch.int64).contiguous(),  # [num_tokens]
         }

@@ -329,7 +329,12 @@ class TritonAttentionBackend:
     ``num_splits``: key-range splits per short sequence in ``_decode_kernel``. ``None`` picks a value per step
     from the batch (more splits when few (sequence, kv head) programs would leave SMs idle and sequences are
     long); an integer fixes it, which a CUDA-graph runner should do so that a captured step keeps its launch
-    grid. ``block_n``: keys per tile (a power of two, at least 16)."""
+    grid. ``block_n``: keys per tile (a power of two, at least 16).
+
+    For CUDA graphs, ``prepare_static`` builds the same index set from device tensors of a fixed shape (a padded
+    uniform batch, see ``engine/cuda_graphs.py``) and pins the step's ``num_splits``."""
+
+    capturable = True
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64) -> None:
         if num_splits is not None and num_splits < 1:
@@ -376,11 +381,54 @@ class TritonAttentionBackend:
             "prefill_tiles": tiles,  # tokens per tile -> (num_tiles, tile seqs [num_tiles], firsts [num_tiles])
         }
 
-    def decode_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
-        """Key-range splits for this step's short sequences (host arithmetic only)."""
+    def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
+                       query_len: int, num_splits: int | None = None) -> None:
+        """``prepare()`` without host data, for capture: every one of the ``num_seqs`` rows of the fixed-width
+        ``meta.block_tables`` is a short sequence of ``query_len`` tokens; ``seq_lens`` is ``[num_seqs]`` int32
+        on the device. ``num_splits`` (default: the constructor's, else 1) is fixed for the graph's lifetime;
+        with splits the decode kernel covers ``cdiv(num_tiles, num_splits)`` key tiles per split, read from
+        the device seq_len, so any context length replays correctly (short ones leave splits empty)."""
+        if not 1 <= query_len <= MAX_PADDED_QUERY_LEN:
+            raise ValueError(f"query_len must be in [1, {MAX_PADDED_QUERY_LEN}] for a static batch, got {query_len}")
+        num_seqs = meta.block_tables.shape[0]
+        device = meta.slot_mapping.device
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        meta.extra = {
+            "backend": "triton",
+            "block_size": block_size,
+            "seq_lens": seq_lens,  # [num_seqs] int32
+            "block_tables": meta.block_tables,  # [num_seqs, width] int64, contiguous
+            "query_start_loc": meta.query_start_loc,  # [num_seqs + 1] int64
+            "slot_mapping": meta.slot_mapping,  # [num_tokens] int64, -1 on padded rows
+            "short_seq_ids": torch.arange(num_seqs, dtype=torch.int32, device=device),  # [num_seqs] int32
+            "num_short": num_seqs,
+            "max_short_query_len": query_len,
+            "max_short_seq_len": None,  # unknown on the host: decode_splits() uses "num_splits" below
+            "num_splits": num_splits or self.num_splits or 1,
+            "prefill_tiles": {tokens: (0, empty, empty) for tokens in PREFILL_TILE_TOKENS},
+        }
+        for name in ("block_tables", "query_start_loc", "slot_mapping", "seq_lens"):
+            if not meta.extra[name].is_contiguous():
+                raise ValueError(f"prepare_static: {name} must be contiguous")
+
+    def graph_num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """Splits for a captured step of ``num_seqs`` sequences when none is configured: enough (sequence, kv
+        head, split) programs to cover the SMs, at most ``MAX_AUTO_SPLITS``. The context length is not known at
+        capture; a short context leaves splits empty, which exit after a few instructions."""
         if self.num_splits is not None:
             return self.num_splits
+        if device.type != "cuda":  # the interpreter (tests): no SMs to fill
+            return 1
+        programs = num_seqs * num_kv_heads
+        return max(1, min(MAX_AUTO_SPLITS, _sm_count(device) // programs))
+
+    def decode_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+        """Key-range splits for this step's short sequences (host arithmetic only)."""
         extra = meta.extra
+        if "num_splits" in extra:  # pinned by prepare_static()
+            return extra["num_splits"]
+        if self.num_splits is not None:
+            return self.num_splits
         if device.type != "cuda" or extra["num_short"] == 0:
             return 1
         programs = extra["num_short"] * num_kv_heads

@@ -91,3 +91,19 @@ def test_speculation_flag_defaults_are_the_config_defaults() -> None:
     default = SpecConfig()
     assert (args.num_spec_tokens, args.ngram_min, args.ngram_max) == (
         default.num_spec_tokens, default.ngram_min, default.ngram_max)
+
+
+def test_cuda_graph_flags():
+    args = build_parser().parse_args(["serve", "--enforce-eager", "--cuda-graph-batch-sizes", "1,2,8",
+                                      "--cuda-graph-max-query-len", "5"])
+    graphs = engine_config_from_args(args).cuda_graphs
+    assert not graphs.enabled and graphs.batch_sizes == (1, 2, 8) and graphs.max_query_len == 5
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).cuda_graphs.enabled
+
+
+def test_bad_cuda_graph_flag_names_the_flag():
+    from specserve.cli import config_error_message
+    args = build_parser().parse_args(["serve", "--cuda-graph-batch-sizes", "8,4"])
+    with pytest.raises(ValueError) as exc:
+        engine_config_from_args(args)
+    assert config_error_message(exc.value).startswith("argument --cuda-graph-batch-sizes:")

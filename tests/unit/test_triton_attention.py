@@ -283,3 +283,34 @@ def test_engine_greedy_output_equals_reference_backend():
         assert sum(r.spec_counters.num_drafts for r in results) > 0  # verify steps happened
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert outs[1] == outs[0]
+
+
+def test_engine_static_padded_path_on_triton_backend():
+    # The padded static-buffer step a CUDA graph replays (engine/cuda_graphs.py, run here without capture):
+    # prepare_static's fixed-shape indices and pinned num_splits give the reference backend's greedy tokens,
+    # 3 sequences padded into bucket 4, decode and n-gram verify rows.
+    from specserve.config import CudaGraphConfig, SpecConfig
+    from specserve.engine.cuda_graphs import CudaGraphRunner
+    from specserve.sampling import SamplingParams
+    from tests.tiny import prompts, tiny_engine
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ps = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5], prompts([4])[0]]  # repeats: the n-gram lookup drafts
+    outs = []
+    for static in (False, True):
+        engine = tiny_engine(max_num_batched_tokens=32, max_model_len=64,
+                             spec=SpecConfig(method="ngram", num_spec_tokens=2, ngram_min=1, ngram_max=2))
+        runner = engine.runner
+        if static:
+            runner.backend = TritonAttentionBackend(num_splits=2)
+            runner.graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.backend,
+                                            CudaGraphConfig(batch_sizes=(1, 2, 4), max_query_len=4),
+                                            runner.block_size, engine.max_model_len, 4, runner.device, capture=False)
+        else:
+            runner.backend = TorchAttentionBackend()
+        results = engine.generate(ps, greedy)
+        outs.append([r.output_ids for r in results])
+        if static:
+            assert runner.graphs.replays_by_query_len.get(1, 0) > 0
+            assert any(q > 1 for q in runner.graphs.replays_by_query_len)
+    assert outs[1] == outs[0]

@@ -106,6 +106,7 @@ def phrase_prompts(vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
+@torch.inference_mode()
 def eager_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     """[vocab] float32 logits after ``tokens``, one eager prefill on free blocks of the idle engine."""
     runner = engine.runner

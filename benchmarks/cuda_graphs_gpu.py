@@ -289,6 +289,10 @@ def main() -> int:
     correctness = check_correctness(engine, captured)
     report["smollm2_correctness"] = correctness
     failures += [f"smollm2 {name}" for name, r in correctness.items() if not r["ok"]]
+    print(json.dumps({"smollm2_capture": report["smollm2_capture"], "smollm2_correctness": correctness},
+                     indent=1, default=str), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))  # kept if the timing below fails
 
     timings = []
     for concurrency in CONCURRENCY:

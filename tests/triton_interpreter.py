@@ -2,8 +2,7 @@
 
 ``triton.jit`` decides between compiling and interpreting when a kernel is *defined*, from ``TRITON_INTERPRET``,
 so it must be set before triton is first imported (``reload_interpreted`` re-imports a kernel module that
-was imported earlier without it). The patches are those of tests/unit/test_triton_attention.py
-(same flag on the interpreter module, so applying both is harmless); that file may import this one instead.
+was imported earlier without it). Used by the Triton kernel tests (attention, W4A16, CUDA-graph paths).
 """
 
 from __future__ import annotations

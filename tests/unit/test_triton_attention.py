@@ -8,7 +8,6 @@ it earlier without it). Batches are kept small: an interpreted launch costs 0.1-
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -25,49 +24,18 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
-from triton.runtime import interpreter  # noqa: E402
-
 from specserve.layers import triton_attention  # noqa: E402
+from tests.triton_interpreter import fix_interpreter, reload_interpreted  # noqa: E402
 
-if DEVICE.type == "cpu" and not isinstance(triton_attention._decode_kernel, interpreter.InterpretedFunction):
-    triton_attention = importlib.reload(triton_attention)
+if DEVICE.type == "cpu":
+    triton_attention = reload_interpreted(triton_attention, "_decode_kernel")
 TritonAttentionBackend = triton_attention.TritonAttentionBackend
 
 ATOL = 1e-5
 
 
-def _fix_interpreter() -> None:
-    """Two bugs of Triton 3.6's interpreter (not of the compiled path), patched for these tests only:
-
-    - it keeps a scalar as a 1-element array and turns it into a loop bound with ``int(array)``, which
-      NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
-      triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0): take the one element instead;
-    - it stores bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as integers: widen bfloat16
-      operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order).
-    """
-    if getattr(interpreter, "specserve_fixed", False):
-        return
-    patch_lang_tensor = interpreter._patch_lang_tensor
-
-    def patched_lang_tensor(tensor, scope) -> None:
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    builder = interpreter.InterpreterBuilder
-    create_dot = builder.create_dot
-
-    def patched_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = (self.cast_impl(x, triton.language.float32) if x.dtype.scalar == triton.language.bfloat16 else x
-                for x in (a, b))
-        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patched_lang_tensor
-    builder.create_dot = patched_create_dot
-    interpreter.specserve_fixed = True
-
-
 if DEVICE.type == "cpu":
-    _fix_interpreter()
+    fix_interpreter()  # tests/triton_interpreter.py: two Triton 3.6 interpreter bugs
 
 
 def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[int], block_size: int,

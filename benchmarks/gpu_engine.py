@@ -35,9 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.engine.model_runner import ModelRunner  # noqa: E402
-from specserve.layers.norm import RMSNorm  # noqa: E402
 from specserve.layers.quant_gpu import weight_bytes  # noqa: E402
-from specserve.models.loader import build_model  # noqa: E402
+from specserve.models.loader import build_model, init_random_weights  # noqa: E402
 from specserve.models.quantize import quantize_model  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
@@ -58,20 +57,11 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@torch.no_grad()
 def dummy_model(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """Random weights drawn on ``device`` (the loader draws on the host, minutes for 8B parameters): norms 1,
-    biases 0, other parameters N(0, 1 / fan_in) - the loader's distribution, not its values."""
+    """Random weights of the loader's distribution, drawn on ``device`` (a host draw takes minutes for 8B
+    parameters)."""
     model = build_model(config, max_position, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for name, p in model.named_parameters():
-        if id(p) in norms:
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=gen)
+    init_random_weights(model, torch.Generator(device=device).manual_seed(seed))
     model.pack_weights()
     return model
 

@@ -34,7 +34,8 @@ def build_model(config: ModelConfig, max_position: int, dtype: torch.dtype, devi
 
 
 def init_random_weights(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Norm weights 1, biases 0, every other parameter N(0, 1 / fan_in), drawn from ``gen`` in parameter order."""
+    """Norm weights 1, biases 0, every other parameter N(0, 1 / fan_in), drawn from ``gen`` in parameter order,
+    on ``gen``'s device (a CUDA generator draws on the GPU: seconds instead of minutes for 8B parameters)."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -44,7 +45,7 @@ def init_random_weights(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.zero_()
             else:
                 std = 1.0 / p.shape[-1] ** 0.5
-                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+                p.copy_((torch.randn(p.shape, generator=gen, device=gen.device) * std).to(p.dtype))
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

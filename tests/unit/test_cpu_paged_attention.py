@@ -7,8 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.attention import TorchAttentionBackend, build_attention_metadata
+from specserve.layers.attention import TorchAttentionBackend
 from specserve.layers.cpu_attention import CpuPagedAttentionBackend, load_attention_extension, make_cpu_backend
+from tests import paged_batch
+from tests.paged_batch import run_backends
 
 ATOL = 1e-5
 
@@ -21,36 +23,15 @@ def ext():
 
 
 def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[int], block_size: int,
-               num_heads: int, num_kv_heads: int, head_dim: int, spare_blocks: int = 3):
-    """Random caches and a ragged batch whose sequences own shuffled, non-contiguous blocks."""
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in blocks_per_seq:
-        tables.append(ids[at:at + n])
-        at += n
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
-    t = meta.num_tokens
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen)
-    v_cache = torch.randn(shape, generator=gen)
-    q = torch.randn(t, num_heads, head_dim, generator=gen)
-    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    return meta, q, k, v, k_cache, v_cache
+               num_heads: int, num_kv_heads: int, head_dim: int):
+    return paged_batch.make_batch(gen, query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim,
+                                  torch.device("cpu"))
 
 
 def run_both(ext, meta, q, k, v, k_cache, v_cache, block_size):
     """(out, k_cache, v_cache) from the oracle and from the C++ backend, each on its own copy of the caches."""
-    results = []
-    for backend in (TorchAttentionBackend(), CpuPagedAttentionBackend(ext)):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        backend.prepare(meta, block_size)
-        out = backend.forward(q, k, v, kc, vc, meta)
-        results.append((out, kc, vc))
-    return results
+    return run_backends((TorchAttentionBackend(), CpuPagedAttentionBackend(ext)), meta, q, k, v, k_cache, v_cache,
+                        block_size)
 
 
 @st.composite

@@ -25,6 +25,8 @@ if DEVICE.type == "cpu":
 
 triton = pytest.importorskip("triton")
 from specserve.layers import triton_attention  # noqa: E402
+from tests import paged_batch  # noqa: E402
+from tests.paged_batch import run_backends  # noqa: E402
 from tests.triton_interpreter import fix_interpreter, reload_interpreted  # noqa: E402
 
 if DEVICE.type == "cpu":
@@ -39,39 +41,17 @@ if DEVICE.type == "cpu":
 
 
 def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[int], block_size: int,
-               num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-               spare_blocks: int = 3):
-    """Random caches and a ragged batch whose sequences own shuffled, non-contiguous blocks. q/k/v are views
-    into one fused qkv matrix, as the model passes them (token stride != heads * head_dim)."""
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in blocks_per_seq:
-        tables.append(ids[at:at + n])
-        at += n
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
-    t = meta.num_tokens
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
-    q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(t, num_kv_heads, head_dim)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
-    return meta, q, k, v, k_cache, v_cache
+               num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32):
+    """A random ragged batch on ``DEVICE`` whose q/k/v are views into one fused qkv matrix, as the model passes
+    them (token stride != heads * head_dim)."""
+    return paged_batch.make_batch(gen, query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim,
+                                  DEVICE, dtype, fused_qkv=True)
 
 
 def run_both(meta: AttentionMetadata, q, k, v, k_cache, v_cache, block_size: int, **triton_kwargs):
     """(out, k_cache, v_cache) from the oracle and from the Triton backend, each on its own copy of the caches."""
-    results = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend(**triton_kwargs)):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        backend.prepare(meta, block_size)
-        out = backend.forward(q, k, v, kc, vc, meta)
-        results.append((out, kc, vc))
-    return results
+    return run_backends((TorchAttentionBackend(), TritonAttentionBackend(**triton_kwargs)), meta, q, k, v, k_cache,
+                        v_cache, block_size)
 
 
 def check(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, atol=ATOL,

@@ -170,7 +170,9 @@ def time_decode(engine: LLMEngine, mode: str, captured: CudaGraphRunner | None, 
     set_mode(engine, mode, captured)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=warmup + iters + 4, temperature=0.0, ignore_eos=True)
+    # Requests whose prompts finish prefilling first decode while the others still prefill (chunked prefill):
+    # leave them room, so that every request is still running when the timed steps end.
+    params = SamplingParams(max_tokens=warmup + iters + 512, temperature=0.0, ignore_eos=True)
     ids = [f"t{seed}-{mode}-{concurrency}-{i}" for i in range(concurrency)]
     for rid in ids:
         engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params, SPEC_OFF)

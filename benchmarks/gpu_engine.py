@@ -32,7 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from specserve.config import (  # noqa: E402
+    CacheConfig,
+    CudaGraphConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.engine.model_runner import ModelRunner  # noqa: E402
 from specserve.layers.quant_gpu import weight_bytes  # noqa: E402
@@ -138,7 +145,9 @@ def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, promp
 def time_forward(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
                  iters: int, warmup: int = 3) -> float:
     """Median time of one target forward + LM head over ``query_len`` tokens per request (1: a decode step;
-    1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each."""
+    1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each. The forward
+    replays the runner's CUDA graph for (batch bucket, query_len) when it has graphs (captured on first use, in
+    the warm-up), as the engine's decode and verify steps do; eagerly otherwise."""
     seq_len = context + query_len
     blocks = -(-seq_len // BLOCK_SIZE)
     if batch * blocks > runner.num_blocks:
@@ -146,15 +155,40 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     ids = torch.randint(0, runner.model_config.vocab_size, (batch * query_len,)).tolist()
     positions = [p for _ in range(batch) for p in range(context, seq_len)]
+    lens = ([query_len] * batch, [seq_len] * batch)
+    graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
     times = []
     for i in range(iters + warmup):
         sync(device)
         t0 = time.perf_counter()
-        hidden, _ = runner.forward(ids, positions, [query_len] * batch, [seq_len] * batch, tables)
+        if graphs is not None:
+            hidden, _ = graphs.run(ids, positions, *lens, tables)
+        else:
+            hidden, _ = runner.forward(ids, positions, *lens, tables)
         runner.model.compute_logits(hidden)
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_graph_replay(engine: LLMEngine, device: torch.device, batch: int, iters: int = 20) -> float | None:
+    """Median device time of replaying the engine's captured decode graph for ``batch`` alone (no host work
+    around it): the GPU part of an engine decode step. None without graphs."""
+    graphs = engine.runner.graphs
+    bucket = graphs.bucket_for(batch) if graphs is not None else None
+    step = graphs.steps.get((bucket, 1, ())) if bucket is not None else None
+    if step is None or step.graph is None:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):  # replays the last step's inputs: the same shapes, KV written to the same slots
+        start.record()
+        step.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 
@@ -219,6 +253,8 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     rep.data["decode"] = out
     for b in args.batches:
         r = time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)
+        if device.type == "cuda":
+            r["graph_replay_s"] = time_graph_replay(engine, device, b)
         kv_read = b * r["mean_context"] * kv_tok
         floor = (wbytes + kv_read) / bw
         r |= {"kv_bytes_read": kv_read, "hbm_floor_s": floor, "floor_fraction": floor / r["median_step_s"],
@@ -230,6 +266,8 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     free(device)
     # verify steps: target forward over query_len tokens per request vs query_len 1, same batch and context
     runner = ModelRunner(model, config, CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib), device)
+    runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=tuple(args.verify_batches), capture_at_startup=False),
+                             args.max_model_len, max(args.verify_batches))
     ver: dict = {"context": args.prompt_len, "by_batch": {}}
     rep.data["verify"] = ver
     for b in args.verify_batches:
@@ -438,7 +476,9 @@ def summarize(rep: Report) -> None:
     d["definitions"] = {
         "hbm_floor_s": "(weight bytes read per step + KV bytes read per step) / copy_bandwidth_gb_s (read + write)",
         "floor_fraction": "hbm_floor_s / median engine decode step (1.0 = at the memory-bandwidth floor)",
-        "verify vs_decode": "target forward + LM head over q tokens per request / the same with q = 1, same batch",
+        "verify vs_decode": "target forward (CUDA graph replay on GPU, as the engine runs it) + LM head over q tokens "
+                            "per request / the same with q = 1, same batch",
+        "graph_replay_s": "device time of the captured decode graph alone (no host work): the GPU part of a step",
         "speedup_vs_bf16": "bf16 median decode step / quantized median decode step, same batch",
         "e2e tok_s": "output tokens of all requests / wall time of LLMEngine.generate (prefill included)",
         "e2e_vs_hf_c1": "specserve (no speculation) c=1 tok/s / the best HF generate c=1 tok/s (compiled if run)",
@@ -455,8 +495,10 @@ def summarize(rep: Report) -> None:
 def print_table(d: dict) -> None:
     rows = [("metric", "value")]
     for b, r in d.get("decode", {}).get("by_batch", {}).items():
-        rows.append((f"decode b={b} step ms (floor ms, fraction)",
-                     f"{r['median_step_s'] * 1e3:.2f} ({r['hbm_floor_s'] * 1e3:.2f}, {r['floor_fraction']:.2f})"))
+        replay = r.get("graph_replay_s")
+        rows.append((f"decode b={b} step ms (floor ms, fraction; graph replay ms)",
+                     f"{r['median_step_s'] * 1e3:.2f} ({r['hbm_floor_s'] * 1e3:.2f}, {r['floor_fraction']:.2f}; "
+                     f"{'n/a' if replay is None else f'{replay * 1e3:.2f}'})"))
     for b, r in d.get("verify", {}).get("by_batch", {}).items():
         ratios = " / ".join(f"{r['vs_decode'][q]:.2f}" for q in ("2", "4", "8"))
         rows.append((f"verify b={b} q=2/4/8 vs decode", ratios))

@@ -89,7 +89,10 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
 def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,
                 data_dir: str | list[str] | None = None, per_file_limit: int | None = None,
                 max_model_len: int = 2048, max_num_seqs: int = 256, kv_gib: float = 8.0,
-                progress: bool = True) -> dict:
+                progress: bool = True, extra_data: list[str] | None = None) -> dict:
+    """Generate (or reuse, ``data_dir``) samples, pick the draft vocabulary, train and export the head.
+    ``extra_data``: directories of earlier runs' ``data_train.npz`` / ``data_held_out.npz``, both appended to
+    the training split (never to the held-out one) after generation."""
     from specserve.models.loader import load_model
 
     out = Path(out_dir)
@@ -111,6 +114,10 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
                                                     max_model_len, max_num_seqs, kv_gib, progress)
         save_samples(train, out / "data_train.npz")
         save_samples(held, out / "data_held_out.npz")
+    for src in map(Path, extra_data or []):
+        extra = [s for name in ("data_train.npz", "data_held_out.npz") for s in load_samples(src / name)]
+        train = train + extra
+        report.setdefault("extra_data", {})[str(src)] = len(extra)
     report["num_train_samples"], report["num_held_out_samples"] = len(train), len(held)
     report["train_answer_tokens"] = sum(len(s.token_ids) - s.num_prompt for s in train)
     counts = token_counts(train, model_config.vocab_size)  # the target's own answers pick the draft vocabulary

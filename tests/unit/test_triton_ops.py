@@ -162,7 +162,7 @@ def test_rope_in_fused_qkv(rows, num_heads, num_kv_heads, head_dim, dtype):
 
 
 def test_rope_llama8b_heads():
-    # 40 heads of 128: split into blocks of 8 heads per program (the last block partly masked)
+    # 40 heads of 128: three programs per token of 16 heads each (the last one partly masked)
     check_rope(3, 32, 8, 128, torch.bfloat16)
 
 
@@ -301,6 +301,19 @@ def test_cpu_ops_selection_never_imports_triton():
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper(tmp_path):
+    # The interpreter never lowers the kernels: compile every launch of three model shapes for sm_90 (no GPU needed).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_ops_compile_check.py")],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "27 kernel variants compiled for sm_90" in result.stdout
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")

@@ -1,4 +1,4 @@
-"""Run Triton kernels on CPU under Triton's interpreter, with the two interpreter bugs of Triton 3.6 patched.
+"""Run Triton kernels on CPU under Triton's interpreter, with three interpreter bugs of Triton 3.6 patched.
 
 ``triton.jit`` decides between compiling and interpreting when a kernel is *defined*, from ``TRITON_INTERPRET``,
 so it must be set before triton is first imported (``reload_interpreted`` re-imports a kernel module that
@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import numpy as np
+
 
 def reload_interpreted(module: ModuleType, kernel_name: str) -> ModuleType:
     """``module`` with its kernels interpreted (reloaded if ``kernel_name`` was compiled for a GPU)."""
@@ -19,14 +21,26 @@ def reload_interpreted(module: ModuleType, kernel_name: str) -> ModuleType:
     return module
 
 
+def _fp32_to_bf16_bits(data: np.ndarray) -> np.ndarray:
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest even as torch and the GPU's
+    ``cvt.rn.bf16.f32`` do; NaNs stay (quiet) NaNs."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(data)
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+
+
 def fix_interpreter() -> None:
-    """Two bugs of Triton 3.6's interpreter (not of the compiled path), patched for tests only:
+    """Three bugs of Triton 3.6's interpreter (not of the compiled path), patched for tests only:
 
     - it keeps a scalar as a 1-element array and turns it into a loop bound with ``int(array)``, which
       NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
       triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0): take the one element instead;
     - it stores bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as integers: widen bfloat16
-      operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order).
+      operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order);
+    - it casts float32 to bfloat16 by truncating the mantissa (``x.to(tl.bfloat16)`` rounds toward zero, and its
+      explicit "rtne" mode rounds ties up without carrying into the exponent): round to nearest even instead,
+      as the compiled kernel does, so bf16 results can be compared bit for bit with torch's.
     """
     import triton
     from triton.runtime import interpreter
@@ -46,6 +60,23 @@ def fix_interpreter() -> None:
                 for x in (a, b))
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    cast_impl = builder.cast_impl
+    fp_to_fp = builder.create_fp_to_fp
+    bf16, fp32 = triton.language.bfloat16, triton.language.float32
+
+    def patched_cast_impl(self, src, dst_type):
+        if src.dtype.scalar == fp32 and dst_type.scalar == bf16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), bf16)
+        return cast_impl(self, src, dst_type)
+
+    def patched_fp_to_fp(self, src, dst_type, rounding_mode):
+        if (src.dtype.scalar == fp32 and dst_type.scalar == bf16
+                and rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE):
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), bf16)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
     interpreter._patch_lang_tensor = patched_lang_tensor
     builder.create_dot = patched_create_dot
+    builder.cast_impl = patched_cast_impl
+    builder.create_fp_to_fp = patched_fp_to_fp
     interpreter.specserve_fixed = True

@@ -1,11 +1,19 @@
 """The handful of elementwise operations a decoder layer needs, behind one small interface:
-``TorchOps`` (plain torch, any device, the reference) and ``CpuKernelOps`` (our fused C++ kernels,
-``layers/cpu_ops.py``), chosen once when the model is built (``select_ops``)."""
+``TorchOps`` (plain torch, any device, the reference), ``CpuKernelOps`` (our fused C++ kernels,
+``layers/cpu_ops.py``) and ``TritonOps`` (one Triton kernel per op on GPU, ``layers/triton_ops.py``), chosen
+once when the model is built (``select_ops``)."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+DISABLE_TRITON_OPS_ENV = "SPECSERVE_DISABLE_TRITON_OPS"
 
 
 class TorchOps:
@@ -72,9 +80,18 @@ class CpuKernelOps(TorchOps):
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """Fused CPU kernels for fp32 on CPU when they build; the torch reference otherwise."""
+    """Fused CPU kernels for fp32 on CPU when they build; on CUDA the Triton kernels when Triton imports and
+    ``SPECSERVE_DISABLE_TRITON_OPS`` is unset; the torch reference otherwise. Triton is imported only here, on
+    the CUDA path: CPU runs never load it."""
     if device.type == "cpu" and dtype == torch.float32:
         from specserve.layers.cpu_ops import load_ops_extension
         if load_ops_extension() is not None:
             return CpuKernelOps()
+    if device.type == "cuda" and not os.environ.get(DISABLE_TRITON_OPS_ENV):
+        try:
+            from specserve.layers.triton_ops import TritonOps
+        except (ImportError, RuntimeError) as exc:  # not installed, or no usable driver / compiler
+            logger.warning("Triton ops unavailable (%s); using the torch reference ops", exc)
+        else:
+            return TritonOps()
     return TorchOps()

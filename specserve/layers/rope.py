@@ -40,23 +40,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position, computed in fp32 and kept in ``dtype`` (the
+    model's activation dtype) side by side in one buffer, so that a step's lookup is one gather kernel (not a
+    gather and a cast for each of cos and sin). The values are those of ``cos_fp32[positions].to(dtype)``."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None, device: torch.device) -> None:
+                 scaling: dict[str, Any] | None, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        # [max_position, 2, head_dim]: cos | sin of each position in one row
+        self.register_buffer("cos_sin_cached", torch.stack([emb.cos(), emb.sin()], dim=1).to(dtype),
+                             persistent=False)
 
     def cos_sin(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim], views with row stride 2 * head_dim
         """Look the step's positions up once; every layer reuses the result."""
-        return (self.cos_cached[positions].unsqueeze(1).to(dtype),
-                self.sin_cached[positions].unsqueeze(1).to(dtype))
+        rows = self.cos_sin_cached[positions]  # [num_tokens, 2, head_dim]
+        if rows.dtype != dtype:  # a caller in another dtype than the tables' (e.g. fp32 tables, autocast bf16)
+            rows = rows.to(dtype)
+        return rows[:, 0:1], rows[:, 1:2]

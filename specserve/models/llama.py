@@ -140,8 +140,10 @@ class LlamaForCausalLM(nn.Module):
         self._packed_head = pack_weight(weight)
 
     def init_rope(self, device: torch.device) -> None:
+        """Build the rotary tables on ``device`` in the model's dtype (call after any ``.to(dtype)``)."""
         c = self.config
-        self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
+        self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device,
+                                    self.embed_tokens.weight.dtype)
 
     def attach_quantized(self, tensors: dict, activation_quant: str = "none") -> int:
         """Give projections their checkpoint's GGUF blocks (``{hf_name: QuantizedTensor}``) so small batches

@@ -117,8 +117,10 @@ class EagleHead(nn.Module):
         self.ops = TorchOps()
 
     def init_rope(self, device: torch.device) -> None:
+        """Build the rotary tables on ``device`` in the head's dtype (call after any ``.to(dtype)``)."""
         c = self.config.layer
-        self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device)
+        self.rope = RotaryEmbedding(c.head_dim, self.max_position, c.rope_theta, c.rope_scaling, device,
+                                    self.norm.weight.dtype)
 
     def set_ops(self, ops: TorchOps) -> None:
         for module in self.modules():

@@ -31,3 +31,21 @@ def test_inv_freq_matches_transformers(scaling) -> None:
 def test_unknown_rope_type_names_the_field() -> None:
     with pytest.raises(ValueError, match="rope_scaling"):
         rope_inv_freq(64, 10000.0, {"rope_type": "nope"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cos_sin_is_one_gather_of_the_tables_in_the_model_dtype(dtype) -> None:
+    from specserve.layers.rope import RotaryEmbedding
+
+    head_dim, theta = 64, 10000.0
+    positions = torch.tensor([0, 5, 99, 5, 31])
+    rope = RotaryEmbedding(head_dim, 100, theta, None, torch.device("cpu"), dtype)
+    assert rope.cos_sin_cached.dtype == dtype
+    cos, sin = rope.cos_sin(positions, dtype)
+    assert cos.shape == sin.shape == (5, 1, head_dim) and cos.dtype == sin.dtype == dtype
+    assert cos.stride(-1) == 1 and cos.stride(0) == 2 * head_dim  # views into the one gathered [5, 2, 64]
+    freqs = torch.outer(positions.float(), rope_inv_freq(head_dim, theta, None))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    assert torch.equal(cos.squeeze(1), emb.cos().to(dtype)) and torch.equal(sin.squeeze(1), emb.sin().to(dtype))
+    fp32 = RotaryEmbedding(head_dim, 100, theta, None, torch.device("cpu"))  # fp32 tables, cast on lookup
+    assert all(torch.equal(a, b) for a, b in zip(fp32.cos_sin(positions, dtype), (cos, sin)))

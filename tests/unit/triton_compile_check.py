@@ -81,7 +81,7 @@ def forward_on_cpu(num_heads, num_kv_heads, head_dim, dtype, num_splits, query_l
 def compile_launches(launches: list, target: GPUTarget) -> int:
     seen = set()
     for fn, args, kwargs in launches:
-        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
         bound = dict(zip(fn.arg_names, args)) | kwargs
         signature, constexprs = {}, {}
         for param in fn.params:

@@ -1,0 +1,266 @@
+"""A decoder layer's elementwise operations on GPU as one Triton kernel each: ``TritonOps``.
+
+Once a decode step is replayed from a CUDA graph (``engine/cuda_graphs.py``), what is left of its cost on a
+small model is the number of kernels: the tensors are a few KB, so each launch costs its fixed ~2-4 us of
+GPU time whatever it computes. ``TorchOps`` (``layers/ops.py``) spends most of a layer's ~30 kernels on
+glue that one kernel can do in a single pass over the row:
+
+    op                    TorchOps kernels                                            here
+    rms_norm              float, pow, mean, add eps + rsqrt, mul, to(dtype), * weight   ~7      1
+    fused_add_rms_norm    residual add + rms_norm                                       ~8      1
+    rope_                 cat(-x2, x1) (neg + cat), two muls, add, copy_ back            ~6      1
+    silu_and_mul          silu, mul (+ a copy of a non-contiguous chunk)                2-3      1
+
+so a Llama layer (2 norms, rope, silu_and_mul, 4 GEMMs, 2-3 attention kernels) goes from ~30 kernels to
+about 10. RMSNorm is
+Zhang & Sennrich, arXiv 1910.07467; the rotary embedding is RoFormer (Su et al., arXiv 2104.09864) in the
+rotate-half layout of ``layers/rope.py``.
+
+Numerics follow ``TorchOps`` step by step: everything is computed in fp32 and rounded to the activation dtype
+exactly where torch rounds, so that the GPU path and the torch reference agree to the last bit or within a
+couple of ulps:
+
+- rms_norm, bf16/fp16: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``: the normalised row is rounded to
+  the activation dtype before the weight multiply, and that product is rounded again (torch multiplies two
+  bf16 tensors in fp32 and rounds once; so do we). fp32: ``x * rsqrt(mean(x^2) + eps) * weight``, what
+  ``F.rms_norm`` computes. The sum of squares is a tree reduction, not torch's order, and ``rsqrt`` is the
+  hardware's, so ``rstd`` can differ in its last fp32 bits: fp32 outputs agree within a few ulps (``F.rms_norm``
+  on CPU is up to ~5 ulps from the plain expression), and a 16-bit output can, rarely, be off where
+  ``x * rstd`` sits on a rounding boundary: one ulp there, at most two after the weight multiply (under the
+  interpreter bf16 came out bitwise equal in every case tested, fp16 within two ulps).
+- fused_add_rms_norm: the residual add is the activation dtype's correctly rounded sum (an fp32 add rounded
+  once to the activation dtype: exact for fp32 and, as fp32's 24 bits are >= 2p + 2 for p = 8 (bf16) and 11
+  (fp16) bits, equal to torch's bf16/fp16 add), so the updated residual is bitwise torch's; the norm is as
+  above.
+- rope_: ``x * cos`` and ``rotated * sin`` are each rounded to the activation dtype before their sum, as torch
+  does for bf16/fp16; the launch turns off fp contraction (``enable_fp_fusion=False``) so the fp32 path is
+  not fused into an FMA either. Bitwise torch's on every dtype.
+- silu_and_mul: ``silu(gate)`` as ``g / (1 + exp(-g))`` in fp32, rounded to the activation dtype, times
+  ``up`` rounded once more (torch's two kernels). ``exp`` is Triton's, not torch's (on GPU the fast
+  ``ex2.approx``-based one): fp32 results agree to a few ulps (more for large negative gates on GPU, where
+  the exp's argument rounding shows), 16-bit ones within two ulps (bitwise in the interpreter's bf16 tests).
+
+Layouts the kernels do not take (another dtype, a weight dtype different from the activations', a last
+dimension that is not contiguous (``rms_norm`` copies such rows instead), a ``qk`` whose heads are not
+``head_dim`` apart, cos/sin of another dtype than ``qk``, hidden sizes past ``MAX_HIDDEN``) fall back to
+``TorchOps``. Every launch decision uses host shapes and strides only (no ``.item()``, no sync),
+so the ops can be captured in CUDA graphs. On CPU the same kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported); that is how the unit tests check them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.layers.ops import TorchOps
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Widest row a norm program holds in registers (a Llama-405B hidden is 16384); wider rows use TorchOps.
+MAX_HIDDEN = 32768
+# Elements one norm program covers: rows are stacked up to this many so that a small hidden (QK-norm's
+# head_dim) still gives each program a useful amount of work.
+NORM_TILE = 1024
+SILU_BLOCK = 1024  # output columns per silu_and_mul program
+ROPE_TILE = 2048  # rotated elements per rope program: heads are split into blocks of ROPE_TILE // head_dim
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _num_warps(elements: int) -> int:
+    """Warps for a program covering ``elements`` values: 8 per thread (16-byte bf16 loads), 1..16 warps."""
+    return min(max(elements // 256, 1), 16)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [num_rows, hidden_size], row stride stride_x, columns contiguous
+    residual_ptr,  # [num_rows, hidden_size], row stride stride_r: residual += x in place (HAS_RESIDUAL only)
+    weight_ptr,  # [hidden_size]
+    out_ptr,  # [num_rows, hidden_size] contiguous
+    num_rows, hidden_size, stride_x, stride_r,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,  # bf16/fp16: round x * rstd to the activation dtype before * weight
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= hidden_size
+):
+    # One program normalises BLOCK_ROWS whole rows, each held in registers: one read, one write per element.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden_size)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    act = x.dtype
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r_ptrs = residual_ptr + rows[:, None] * stride_r + cols[None, :]
+        # fp32 sum rounded once to the activation dtype: torch's residual.add_(x), bit for bit
+        x = (xf + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(act)
+        tl.store(r_ptrs, x, mask=mask)
+        xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / hidden_size + eps)  # [BLOCK_ROWS]
+    w = tl.load(weight_ptr + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)
+    normed = xf * rstd[:, None]
+    if ROUND_NORMED:
+        normed = normed.to(act).to(tl.float32)
+    out = (normed * w[None, :]).to(act)
+    tl.store(out_ptr + rows[:, None] * hidden_size + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,  # [num_rows, 2 * intermediate_size], row stride stride_in, columns contiguous
+    out_ptr,  # [num_rows, intermediate_size] contiguous
+    intermediate_size, stride_in,
+    BLOCK: tl.constexpr,
+):
+    # Program (row, column block): silu(gate) * up for BLOCK columns of one row.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate_size
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
+    act = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(act)  # F.silu: fp32 math, rounded to the activation dtype
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(act)
+    tl.store(out_ptr + row * intermediate_size + cols, out, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    qk_ptr,  # [num_tokens, num_heads, head_dim], row stride stride_t, head stride head_dim; rotated in place
+    cos_ptr,  # [num_tokens, 1, head_dim], row stride stride_c, last dim contiguous
+    sin_ptr,  # [num_tokens, 1, head_dim], row stride stride_s, last dim contiguous
+    num_heads, stride_t, stride_c, stride_s,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PAD: tl.constexpr,  # next power of two >= HALF
+    BLOCK_H: tl.constexpr,  # heads per program
+):
+    # Program (token, head block): rotate-half RoPE of BLOCK_H heads of one token, with the token's cos/sin
+    # loaded once for all of them. x = [x1 | x2] per head, halves of HALF values:
+    #   out1 = x1 * cos1 - x2 * sin1,   out2 = x2 * cos2 + x1 * sin2
+    # (torch: x * cos + cat(-x2, x1) * sin; each product rounded to the activation dtype before the sum).
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF_PAD)
+    dim_mask = dims < HALF
+    mask = (heads[:, None] < num_heads) & dim_mask[None, :]
+    ptr1 = qk_ptr + tok * stride_t + heads[:, None] * (2 * HALF) + dims[None, :]
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    act = x1.dtype
+    c1 = tl.load(cos_ptr + tok * stride_c + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + tok * stride_c + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + tok * stride_s + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + tok * stride_s + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    out1 = (x1f * c1).to(act).to(tl.float32) - (x2f * s1).to(act).to(tl.float32)
+    out2 = (x2f * c2).to(act).to(tl.float32) + (x1f * s2).to(act).to(tl.float32)
+    tl.store(ptr1, out1.to(act), mask=mask)
+    tl.store(ptr1 + HALF, out2.to(act), mask=mask)
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows may be strided but whose columns are contiguous."""
+    return t.dim() == 2 and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+
+
+class TritonOps(TorchOps):
+    """``TorchOps`` with each op one Triton kernel (shapes as in ``TorchOps``); unsupported layouts and dtypes
+    go to the torch reference."""
+
+    @staticmethod
+    def _norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and weight.dim() == 1
+                and weight.is_contiguous() and x.shape[-1] == weight.shape[0] <= MAX_HIDDEN)
+
+    @staticmethod
+    def _launch_norm(
+        x: torch.Tensor,  # [num_rows, hidden_size], columns contiguous
+        residual: torch.Tensor | None,  # [num_rows, hidden_size], columns contiguous; += x in place
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+    ) -> torch.Tensor:  # [num_rows, hidden_size] contiguous
+        num_rows, hidden = x.shape
+        out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+        if num_rows == 0 or hidden == 0:
+            return out
+        block = _next_pow2(hidden)
+        block_rows = max(1, NORM_TILE // block)
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+            x, x if residual is None else residual, weight, out,
+            num_rows, hidden, x.stride(0), 0 if residual is None else residual.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None, ROUND_NORMED=x.dtype != torch.float32,
+            BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_num_warps(block_rows * block))
+        return out
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if x.dim() < 1 or not self._norm_ok(x, weight):
+            return TorchOps.rms_norm(x, weight, eps)
+        rows = x if _rows_ok(x) else x.reshape(-1, x.shape[-1])  # leading dims flattened (a copy if need be)
+        if not _rows_ok(rows):
+            rows = rows.contiguous()
+        return self._launch_norm(rows, None, weight, eps).view(x.shape)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor,  # [num_tokens, hidden_size], updated in place: residual += x
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+    ) -> torch.Tensor:  # rms_norm(residual + x)
+        if (not self._norm_ok(x, weight) or not _rows_ok(x) or not _rows_ok(residual)
+                or residual.shape != x.shape or residual.dtype != x.dtype):
+            return TorchOps.fused_add_rms_norm(x, residual, weight, eps)
+        return self._launch_norm(x, residual, weight, eps)
+
+    def silu_and_mul(
+        self,
+        gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate_size]
+    ) -> torch.Tensor:  # [num_tokens, intermediate_size]
+        if gate_up.dtype not in KERNEL_DTYPES or not _rows_ok(gate_up) or gate_up.shape[-1] % 2:
+            return TorchOps.silu_and_mul(gate_up)
+        num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+        if num_rows == 0 or inter == 0:
+            return out
+        block = min(SILU_BLOCK, _next_pow2(inter))
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=_num_warps(block))
+        return out
+
+    def rope_(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_q_heads + num_kv_heads, head_dim], rotated in place
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = qk.shape if qk.dim() == 3 else (0, 0, 0)
+        supported = (
+            qk.dim() == 3 and qk.dtype in KERNEL_DTYPES and head_dim % 2 == 0
+            and (num_heads <= 1 or qk.stride(1) == head_dim) and qk.stride(2) == 1
+            and all(t.dtype == qk.dtype and t.shape == (num_tokens, 1, head_dim) and t.stride(2) == 1
+                    for t in (cos, sin)))
+        if not supported:
+            return TorchOps.rope_(qk, cos, sin)
+        if num_tokens == 0 or num_heads == 0 or head_dim == 0:
+            return qk
+        half = head_dim // 2
+        half_pad = _next_pow2(half)
+        block_h = min(_next_pow2(num_heads), max(1, ROPE_TILE // (2 * half_pad)))
+        _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            qk, cos, sin, num_heads, qk.stride(0), cos.stride(0), sin.stride(0),
+            HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=_num_warps(block_h * half_pad),
+            enable_fp_fusion=False)
+        return qk

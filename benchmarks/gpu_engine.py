@@ -121,7 +121,8 @@ def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, promp
                       warmup: int = 3) -> dict:
     """Median wall time of ``engine.step()`` once all ``batch`` requests decode (prefill steps excluded)."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0, ignore_eos=True)
+    profile_steps = 10 if batch == 1 else 0
+    params = SamplingParams(max_tokens=steps + warmup + profile_steps + 8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
         engine.add_request(f"d{batch}-{i}", p, params, SPEC_OFF)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
@@ -135,10 +136,30 @@ def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, promp
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    # While every request still decodes, the static buffers hold this batch's last decode step: replay it alone.
+    replay = time_graph_replay(engine, batch) if device.type == "cuda" else None
+    host_profile = profile_steps_host(engine, profile_steps) if profile_steps else None
     while engine.has_unfinished():
         engine.step()
     return {"median_step_s": statistics.median(times), "min_step_s": min(times), "steps": len(times),
-            "mean_context": statistics.mean(contexts[warmup:])}
+            "mean_context": statistics.mean(contexts[warmup:]), "graph_replay_s": replay,
+            "host_profile": host_profile}
+
+
+def profile_steps_host(engine: LLMEngine, steps: int, top: int = 20) -> list[str]:
+    """cProfile of ``steps`` engine steps: the functions with the most own time (where the host time of a
+    step goes; the waits for the device show up in the call that synchronises, e.g. ``tolist``)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
 @torch.inference_mode()
@@ -173,9 +194,12 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
 
 
 @torch.inference_mode()
-def time_graph_replay(engine: LLMEngine, device: torch.device, batch: int, iters: int = 20) -> float | None:
+def time_graph_replay(engine: LLMEngine, batch: int, iters: int = 20) -> float | None:
     """Median device time of replaying the engine's captured decode graph for ``batch`` alone (no host work
-    around it): the GPU part of an engine decode step. None without graphs."""
+    around it): the GPU part of an engine decode step. Call it right after a decode step of exactly ``batch``
+    running requests: the graph re-reads that step's inputs from the static buffers (and rewrites the same KV
+    values into the same slots); after a step of another layout the buffers hold other offsets. None without
+    graphs."""
     graphs = engine.runner.graphs
     bucket = graphs.bucket_for(batch) if graphs is not None else None
     step = graphs.steps.get((bucket, 1, ())) if bucket is not None else None
@@ -253,8 +277,6 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     rep.data["decode"] = out
     for b in args.batches:
         r = time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)
-        if device.type == "cuda":
-            r["graph_replay_s"] = time_graph_replay(engine, device, b)
         kv_read = b * r["mean_context"] * kv_tok
         floor = (wbytes + kv_read) / bw
         r |= {"kv_bytes_read": kv_read, "hbm_floor_s": floor, "floor_fraction": floor / r["median_step_s"],

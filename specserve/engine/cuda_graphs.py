@@ -173,6 +173,11 @@ class CudaGraphRunner:
         with torch.inference_mode():
             self.staging = torch.zeros(4 * self.max_tokens + self.max_batch + self.max_batch * self.width,
                                        dtype=torch.int64, device=device)
+            # On CUDA the values go through a pinned host copy of ``staging``: the host-to-device copy is then
+            # one asynchronous DMA instead of a copy through a temporary pageable tensor.
+            self.host_staging = (torch.zeros(self.staging.shape, dtype=torch.int64, pin_memory=True)
+                                 if device.type == "cuda" else None)
+            self._staged = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of it
             self.block_tables = torch.zeros((self.max_batch, self.width), dtype=torch.int64, device=device)
             self.hidden_out = torch.zeros((self.max_tokens, mc.hidden_size), dtype=dtype, device=device)
         self.aux_out: dict[int, torch.Tensor] = {}  # layer id -> [max_tokens, hidden_size]
@@ -207,7 +212,14 @@ class CudaGraphRunner:
 
     def _load(self, values: list[int], bucket: int, query_len: int, width: int) -> None:
         """One host-to-device copy of the step's values, then its block tables into the fixed-width buffer."""
-        self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+        if self.host_staging is None:
+            self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+        else:
+            self._staged.synchronize()  # the previous step's copy has read the pinned buffer
+            host = self.host_staging[:len(values)]
+            host.numpy()[:] = values
+            self.staging[:len(values)].copy_(host, non_blocking=True)
+            self._staged.record()
         at = 3 * bucket * query_len + bucket
         tables = self.staging[at:at + bucket * width].view(bucket, width)  # [B, w]
         self.block_tables[:bucket, :width].copy_(tables)

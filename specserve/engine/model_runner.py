@@ -148,8 +148,11 @@ class ModelRunner:
             hidden, aux = self.graphs.run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
         else:
             hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        if len(logit_rows) == len(input_ids):  # every token samples (decode): the rows are 0..n-1, no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
         return StepOutput(logits, logit_starts, token_starts, dict(zip(sorted(aux_layer_ids), aux)))
 
     @torch.inference_mode()

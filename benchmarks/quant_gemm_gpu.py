@@ -24,10 +24,11 @@ reference (dequantized weights; ``w8a16_linear_reference``, ``fp8_linear_referen
 by ``rel_err`` = ||out - ref|| / ||ref||; the fused quantizer against ``quantize_fp8_rows`` bit for bit. A
 failing configuration is recorded (``errors``) and the run goes on.
 
-What to read: ``summary`` (per shape and M: microseconds and speedup vs bf16 of each method) and
-``suggested`` (per row bucket: the sweep configuration with the least total time over the four decoder-layer
-shapes, as ``TileConfig(...)`` lines for ``layers/quant_tiles.py``, and the largest M where the W8A16 kernel
-beats _scaled_mm, for ``W8A16_MAX_ROWS``).
+What to read: ``summary`` (per shape and M: microseconds and speedup vs bf16 of each method),
+``forward_gemm_ms`` (the projections of one 32-layer forward, LM head in bf16, per method) and ``suggested``
+(per row bucket: the sweep configuration with the least total time over the four decoder-layer shapes, as
+``TileConfig(...)`` lines for ``layers/quant_tiles.py``, and the largest M where the W8A16 kernel beats
+_scaled_mm, for ``W8A16_MAX_ROWS``).
 
     python benchmarks/quant_gemm_gpu.py --out $OUT/quant_gemm_gpu.json
     python benchmarks/quant_gemm_gpu.py --smoke      # wiring check on CPU (Triton interpreter, tiny shapes)
@@ -63,6 +64,7 @@ SHAPES = {  # name -> (N out_features, K in_features), Llama-3.1-8B
     "lm_head": (128256, 4096),
 }
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # a decoder layer's projections (the LM head stays bf16)
+NUM_LAYERS = 32
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (40, 512)}
 DEFAULT_ROWS = (1, 8, 32)
 ROTATE_BYTES = 256 << 20  # weight copies per method: at least this many bytes, so L2 (50 MB) never holds one
@@ -438,11 +440,28 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
             suggested["w8a16_max_rows"] = m
     suggested["w8a16_vs_scaled_mm_layer_us"] = {m: {"w8a16_best": a, "scaled_mm": round(b, 2)} for m, a, b in wins}
     rep.data["suggested"] = suggested
+    # the projections of one Llama-3.1-8B forward (32 layers; the LM head in bf16, as the engine keeps it)
+    estimate: dict = {}
+    for m in rows:
+        per: dict = {}
+        for method in ("bf16", "w8a16", "w8a16_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
+            times = [shapes_data.get(s, {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+                method, {}).get("us") for s in LAYER_SHAPES]
+            head = shapes_data.get("lm_head", {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+                "bf16", {}).get("us")
+            if all(t is not None for t in times) and head is not None:
+                per[method] = round((NUM_LAYERS * sum(times) + head) / 1e3, 3)
+        if "bf16" in per:
+            per["speedup_vs_bf16"] = {k: round(per["bf16"] / v, 3) for k, v in per.items() if k != "bf16"}
+        estimate[m] = per
+    rep.data["forward_gemm_ms"] = estimate
     rep.data["definitions"] = {
         "us": "microseconds per call: CUDA-graph replay of back-to-back calls over rotating weight copies",
         "gb_s": "weight bytes (incl. scales / zeros) per call / time",
         "bw_fraction": "gb_s / copy_bandwidth_gb_s (device-to-device copy, read + write bytes / time)",
         "rel_err": "||out - ref|| / ||ref||, ref = fp32 maths on the dequantized weights",
+        "forward_gemm_ms": f"{NUM_LAYERS} x (qkv + o + gate_up + down) + bf16 lm_head, ms: the projection part "
+                           "of one forward of M tokens (compare with gpu_engine.py's decode step)",
         "suggested": "per row bucket, the sweep configuration with the least time summed over qkv, o, gate_up, "
                      "down (paste into layers/quant_tiles.py); w8a16_max_rows: largest M where it beats _scaled_mm",
     }
@@ -466,6 +485,8 @@ def print_summary(rep: Report) -> None:
             print(f"  {kernel} rows<={m}: {e['config']}  # {e['layer_us']} us per layer "
                   f"(per-shape best {e['per_shape_best_us']})")
     print(f"  W8A16_MAX_ROWS: {sug.get('w8a16_max_rows')}  {sug.get('w8a16_vs_scaled_mm_layer_us')}")
+    for m, per in rep.data.get("forward_gemm_ms", {}).items():
+        print(f"projections of one forward, m={m}: {per}")
     if rep.data.get("errors"):
         print(f"errors ({len(rep.data['errors'])}): {', '.join(list(rep.data['errors'])[:20])}")
 

@@ -94,7 +94,7 @@ def override(table: TileTable, by_rows: Mapping[int, TileConfig] | None = None,
 W8A16_MAX_ROWS = 16
 W8A16_TILES = TileTable(
     by_rows={
-        1: TileConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, use_dot=False),
+        1: TileConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=0, use_dot=False),
         2: TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=1, use_dot=False),
         16: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
         32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),

@@ -1,4 +1,4 @@
-"""Run Triton kernels on CPU under Triton's interpreter, with three interpreter bugs of Triton 3.6 patched.
+"""Run Triton kernels on CPU under Triton's interpreter, with four interpreter bugs of Triton 3.6 patched.
 
 ``triton.jit`` decides between compiling and interpreting when a kernel is *defined*, from ``TRITON_INTERPRET``,
 so it must be set before triton is first imported (``reload_interpreted`` re-imports a kernel module that
@@ -30,8 +30,19 @@ def _fp32_to_bf16_bits(data: np.ndarray) -> np.ndarray:
     return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
 
 
+def reload_interpreted_chain(*pairs: tuple[ModuleType, str]) -> list[ModuleType]:
+    """``reload_interpreted`` for modules that import kernels from each other, in import order (helpers first):
+    once one is reloaded, every later one is too, so that it binds the interpreted helpers."""
+    modules, reloaded = [], False
+    for module, kernel_name in pairs:
+        fresh = importlib.reload(module) if reloaded else reload_interpreted(module, kernel_name)
+        reloaded = reloaded or fresh is not module
+        modules.append(fresh)
+    return modules
+
+
 def fix_interpreter() -> None:
-    """Three bugs of Triton 3.6's interpreter (not of the compiled path), patched for tests only:
+    """Four bugs of Triton 3.6's interpreter (not of the compiled path), patched for tests only:
 
     - it keeps a scalar as a 1-element array and turns it into a loop bound with ``int(array)``, which
       NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
@@ -40,7 +51,9 @@ def fix_interpreter() -> None:
       operands to float32 first (what the tensor cores' fp32 accumulation computes, up to summation order);
     - it casts float32 to bfloat16 by truncating the mantissa (``x.to(tl.bfloat16)`` rounds toward zero, and its
       explicit "rtne" mode rounds ties up without carrying into the exponent): round to nearest even instead,
-      as the compiled kernel does, so bf16 results can be compared bit for bit with torch's.
+      as the compiled kernel does, so bf16 results can be compared bit for bit with torch's;
+    - its float -> float8 downcast truncates e4m3's subnormals and rounds ties up: convert with torch instead
+      (round to nearest even, as the GPU does, saturated to +-448 as ``cvt.rn.satfinite`` does).
     """
     import triton
     from triton.runtime import interpreter
@@ -73,6 +86,11 @@ def fix_interpreter() -> None:
         if (src.dtype.scalar == fp32 and dst_type.scalar == bf16
                 and rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE):
             return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), bf16)
+        if dst_type.scalar == triton.language.float8e4nv and src.dtype.scalar.primitive_bitwidth > 8:
+            import torch
+            wide = src if src.dtype.scalar == fp32 else self.cast_impl(src, fp32)
+            values = torch.from_numpy(np.ascontiguousarray(wide.data, dtype=np.float32)).clamp(-448.0, 448.0)
+            return interpreter.TensorHandle(values.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
         return fp_to_fp(self, src, dst_type, rounding_mode)
 
     interpreter._patch_lang_tensor = patched_lang_tensor

@@ -5,7 +5,11 @@ and 3 mantissa bits, a largest finite value of 448 and no infinities (``torch.fl
 scale per output channel (row of ``[out_features, in_features]``) chosen at load time, ``scale = amax / 448``;
 activations get one scale per token (row), computed on the fly inside the forward (no calibration, no host
 sync). The product ``(x_q * s_x) @ (w_q * s_w).T = s_x * (x_q @ w_q.T) * s_w`` runs on the tensor cores through
-``torch._scaled_mm`` with row-wise scales (``[M, 1]`` and ``[1, N]``), accumulating in fp32 and writing bf16.
+``torch._scaled_mm`` with row-wise scales (``[M, 1]`` and ``[1, N]``), accumulating in fp32 and writing bf16;
+on CUDA one Triton kernel quantizes the activations (``layers/triton_w8a16.py``). At decode sizes (M up to
+``quant_tiles.W8A16_MAX_ROWS``) the GEMM is a weight-bandwidth-bound GEMV: there a Triton W8A16 kernel reads
+the e4m3 weights once and multiplies them with the unquantized 16-bit activations (``w8a16_linear_reference``
+is its maths: no activation rounding, so small-M outputs are slightly more accurate than the _scaled_mm path's).
 Off the accelerator the same maths runs as a reference (dequantize both operands, fp32 matmul).
 
 INT4 (weight-only, group-wise, as in AWQ: Lin et al., "AWQ: Activation-aware Weight Quantization for LLM
@@ -32,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.layers import quant_tiles
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 INT4_GROUP_SIZE = 128
@@ -54,6 +60,30 @@ def dequantize_fp8_rows(
     scale: torch.Tensor,  # [num_rows, 1] float32
 ) -> torch.Tensor:  # [num_rows, num_cols] float32
     return x_q.float() * scale
+
+
+def quantize_fp8_activations(
+    x: torch.Tensor,  # [num_rows, num_cols]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [num_rows, num_cols] float8_e4m3fn, scale [num_rows, 1] float32)
+    """``quantize_fp8_rows`` for activations: one fused Triton kernel on CUDA (the same bits), torch elsewhere."""
+    if x.is_cuda:
+        from specserve.layers.triton_w8a16 import quantize_fp8_rows_triton  # Triton only on the kernel path
+        return quantize_fp8_rows_triton(x)
+    return quantize_fp8_rows(x)
+
+
+def w8a16_linear_reference(
+    x: torch.Tensor,  # [num_rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] float32
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    """The W8A16 kernel's maths (``triton_w8a16.w8a16_linear``): e4m3 weights dequantized exactly, activations
+    not quantized, fp32 products and sums, the per-channel scale and bias applied to the fp32 sums."""
+    out = (x.float() @ weight.float().t()) * weight_scale.reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 def fp8_linear_reference(
@@ -79,7 +109,7 @@ def fp8_linear_scaled_mm(
     """Tensor-core FP8 GEMM: ``torch._scaled_mm`` with row-wise scales (sm_89+ on CUDA). ``_scaled_mm`` wants the
     second operand column-major, which ``weight.t()`` of a row-major ``[N, K]`` weight is; K and N must be
     multiples of 16. Row-wise scaling writes bf16, cast to ``x.dtype`` afterwards if that differs."""
-    x_q, x_scale = quantize_fp8_rows(x)
+    x_q, x_scale = quantize_fp8_activations(x)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16,
                            use_fast_accum=True)
     if bias is not None:
@@ -88,35 +118,54 @@ def fp8_linear_scaled_mm(
 
 
 class Fp8Linear(nn.Module):
-    """A projection with e4m3 weights and one fp32 scale per output channel. ``use_scaled_mm`` None picks
-    ``torch._scaled_mm`` on accelerators and the reference maths on CPU."""
+    """A projection with e4m3 weights and one fp32 scale per output channel.
+
+    Rows up to ``max_triton_rows`` (None: ``quant_tiles.W8A16_MAX_ROWS`` at call time) go through the Triton
+    W8A16 kernel when ``use_triton`` (None: on CUDA tensors); more rows through ``torch._scaled_mm`` with
+    per-token activation scales when ``use_scaled_mm`` (None: off CPU), else the reference maths."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 use_scaled_mm: bool | None = None) -> None:
+                 use_scaled_mm: bool | None = None, use_triton: bool | None = None,
+                 max_triton_rows: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [out_features, in_features] float8_e4m3fn
         self.register_buffer("weight_scale", weight_scale.reshape(1, -1).contiguous())  # [1, out_features] fp32
         self.register_buffer("bias", bias)  # [out_features] or None
+        # [cdiv(out_features, 8) * 4] int32, zero between launches: arrival counters of split-K kernel launches
+        self.register_buffer("split_counters", _split_counters(self.out_features, weight.device), persistent=False)
         self.use_scaled_mm = use_scaled_mm
+        self.use_triton = use_triton
+        self.max_triton_rows = max_triton_rows
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   use_scaled_mm: bool | None = None) -> Fp8Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, use_scaled_mm: bool | None = None,
+                   use_triton: bool | None = None) -> Fp8Linear:
         """Quantize ``weight [out_features, in_features]`` with one scale per output channel."""
         w_q, w_scale = quantize_fp8_rows(weight.detach())
-        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm)
+        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm, use_triton)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
+        triton_ok = self.use_triton if self.use_triton is not None else x.is_cuda
+        max_rows = quant_tiles.W8A16_MAX_ROWS if self.max_triton_rows is None else self.max_triton_rows
+        if triton_ok and x.shape[0] <= max_rows:
+            from specserve.layers.triton_w8a16 import w8a16_linear  # Triton is imported on the kernel path only
+            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters)
         use = self.use_scaled_mm if self.use_scaled_mm is not None else x.device.type != "cpu"
         fn = fp8_linear_scaled_mm if use else fp8_linear_reference
         return fn(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-channel"
+
+
+def _split_counters(out_features: int, device: torch.device) -> torch.Tensor:  # [cdiv(out_features, 8) * 4] int32
+    """Zeroed arrival counters for the quantized kernels' in-launch split-K reduction (``triton_splitk.py``): a
+    layer owns one, the kernels leave it zeroed (so CUDA graphs can replay launches that use it)."""
+    return torch.zeros(-(-out_features // 8) * 4, dtype=torch.int32, device=device)
 
 
 # ---- INT4 ------------------------------------------------------------------------------------------------
@@ -224,6 +273,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", scales)  # [in_features // group_size, out_features]
         self.register_buffer("zeros", zeros)  # [in_features // group_size, out_features]
         self.register_buffer("bias", bias)  # [out_features] or None
+        # [cdiv(out_features, 8) * 4] int32, zero between launches: arrival counters of split-K kernel launches
+        self.register_buffer("split_counters", _split_counters(self.out_features, qweight.device), persistent=False)
         self.use_triton = use_triton
 
     @classmethod
@@ -240,7 +291,7 @@ class Int4Linear(nn.Module):
         use = self.use_triton if self.use_triton is not None else x.is_cuda
         if use:
             from specserve.layers.triton_w4a16 import w4a16_linear  # Triton is imported on the kernel path only
-            return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias)
+            return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, counters=self.split_counters)
         return int4_linear_reference(x, self.qweight, self.scales, self.zeros, self.bias)
 
     def extra_repr(self) -> str:
@@ -248,8 +299,10 @@ class Int4Linear(nn.Module):
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``module``: what one forward reads from memory at least."""
-    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    """Bytes of every parameter and buffer of ``module`` (but the split-K counters): what one forward reads from
+    memory at least."""
+    tensors = {id(t): t for t in (*module.parameters(), *(b for name, b in module.named_buffers()
+                                                         if not name.endswith("split_counters")))}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -1,87 +1,166 @@
-"""Triton W4A16 GEMM: ``out = x @ dequant(qweight, scales, zeros).T`` with 4-bit group-wise weights (AWQ-style
-asymmetric groups, Lin et al., arXiv 2306.00978) and 16-bit (or fp32) activations. Layout and quantization
-formula: ``layers/quant_gpu.py``.
+"""Triton W4A16 GEMM: ``out = x @ dequant(qweight, scales, zeros).T (+ bias)`` with 4-bit group-wise weights
+(AWQ-style asymmetric groups, Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration", arXiv 2306.00978) and 16-bit (or fp32) activations, in one launch for every M. Layout and
+quantization formula: ``layers/quant_gpu.py``.
 
-One program computes a ``[BLOCK_M, BLOCK_N]`` output tile over ``tiles_per_split`` K tiles. Each K tile lies in
-one quantization group (``BLOCK_K`` divides ``group_size``), so it needs one row of scales and zeros. The weight
-tile is loaded as the int32 words that hold it (word ``k // 8`` for row ``k``; the 8 rows of a word hit the same
-cache line), shifted and masked to 4-bit values, dequantized in fp32 registers, rounded to the activation dtype
-and fed to ``tl.dot`` with an fp32 accumulator.
+A program computes a ``[BLOCK_M, BLOCK_N]`` output tile over one range of K. Each K tile lies in one
+quantization group (``BLOCK_K`` divides ``group_size``), so it needs one row of scales and zeros. The weight tile
+is read as the ``[BLOCK_K // 8, BLOCK_N]`` int32 words that hold it, each word once, and dequantized in fp32
+registers without an int -> float conversion: for a 4-bit ``q``, the bits ``q | 0x4B000000`` are the float
+``2^23 + q`` exactly, so ``w = (bits_as_float - (2^23 + z)) * s`` is ``(q - z) * s`` with the reference's one
+rounding (shift, two logic ops, one add, one multiply per weight).
 
-Decoding (M of 1 to a few dozen) reads every weight once and is bound by memory bandwidth; with few M tiles
-the N tiles alone would leave most SMs idle, so K is split across programs (``SPLIT_K``) that write fp32
-partial sums, added by one ``sum`` afterwards (deterministic: no atomics). Large M (prefill) uses larger tiles
-and no split.
+Two ways to multiply, chosen per row bucket in ``layers/quant_tiles.py``:
+
+- GEMV (``use_dot=False``, M of 1 to 4: decoding, short verify steps): nibble ``j`` of every word is weight row
+  ``k = 8 * word + j``, so for each ``j`` the dequantized ``[BLOCK_K // 8, BLOCK_N]`` slice meets the activations
+  ``x[:, k0 + 8 * i + j]`` in fp32 FMAs on the CUDA cores, one accumulator per row; nothing goes through shared
+  memory but the small activation vectors. The weights stay fp32 (the tensor-core path rounds them to the
+  activation dtype first, as ``int4_linear_reference`` does; the GEMV's result is at least as accurate).
+- tensor cores (``use_dot=True``): the 8 nibbles of the word tile unpacked into a ``[BLOCK_K // 8, 8, BLOCK_N]``
+  tensor, reshaped to ``[BLOCK_K, BLOCK_N]`` (row ``8 * i + j``), rounded to the activation dtype and fed to
+  ``tl.dot`` with an fp32 accumulator; Triton pipelines the word loads (``num_stages``).
+
+With few output tiles (decode sizes), K is split across programs and the partial sums are reduced inside the
+same launch (``layers/triton_splitk.py``): no second kernel, deterministic. Bias and the cast to the output
+dtype are in the epilogue.
 
 Triton is imported by this module only; callers import it lazily on the CUDA path (or in tests under
 ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
+from specserve.layers.quant_tiles import W4A16_TILES, TileConfig
+from specserve.layers.triton_splitk import split_buffers, split_plan, splitk_reduce
+
+_MAGIC_BITS = 0x4B000000  # the bits of the float 2^23: OR-ing a 4-bit q into them gives 2^23 + q
+_TWO_23 = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _x_nibble(
+    ptrs,  # [BLOCK_K // 8] pointers to x[row, k0 + 8 * i + J]
+    ok,  # the row exists (row < M)
+    J: tl.constexpr,
+):
+    """The activations that meet nibble ``J`` of each word, in fp32, times 16^-(J % 4) (exact)."""
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * (1.0 / (1 << (4 * (J % 4))))
+
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr,  # [M, K] activations
+    x_ptr,  # [M, K] activations (bf16 / fp16 / fp32)
     qweight_ptr,  # [K // 8, N] int32
     scales_ptr,  # [K // GROUP_SIZE, N]
     zeros_ptr,  # [K // GROUP_SIZE, N]
-    out_ptr,  # [SPLIT_K, M, N] (fp32 partial sums) or [M, N] (activation dtype) when SPLIT_K == 1
-    M, N, K, tiles_per_split,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_os, stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    bias_ptr,  # [N] (read only when HAS_BIAS)
+    out_ptr,  # [M, N] activation dtype
+    partial_ptr,  # [SPLIT_K, M, N] fp32 partial sums (SPLIT_K > 1 only)
+    count_ptr,  # [grid_m * grid_n] int32 arrival counters (SPLIT_K > 1 only)
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_om, stride_on,
+    magic,  # 0x4B000000 (the bits of 2^23), passed at run time: in a register, ptxas fuses mask | magic
+    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4  # bit offset of row k inside its int32 word
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, tiles_per_split):
-        k0 = (pid_k * tiles_per_split + t) * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K  # all or nothing: K is a multiple of BLOCK_K; false past the end of the last split
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        words = tl.load(qweight_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :] * stride_qn,
-                        mask=k_mask[:, None] & n_mask[None, :], other=0)
-        q = (words >> shifts[:, None]) & 0xF  # [BLOCK_K, BLOCK_N] in [0, 15]
-        g = k0 // GROUP_SIZE
-        gn_mask = n_mask & (k0 < K)
-        s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=gn_mask, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g * stride_sg + offs_n * stride_sn, mask=gn_mask, other=0.0).to(tl.float32)
-        w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(a.dtype)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a K tile
+    k_lo = pid_k * k_per_split  # K is a multiple of BLOCK_K, k_per_split too: whole tiles only
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    q_cols = qweight_ptr + offs_n[None, :] * stride_qn  # [1, BLOCK_N]
+    if USE_DOT:
+        shifts = tl.arange(0, 8) * 4  # bit offset of nibble j
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            words = tl.load(q_cols + (k0 // 8 + offs_w)[:, None] * stride_qk, mask=n_mask[None, :], other=0)
+            g = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | magic  # [BLOCK_K // 8, 8, BLOCK_N]
+            w = (q.to(tl.float32, bitcast=True) - (z + _TWO_23)[None, None, :]) * s[None, None, :]
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_mask[:, None],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.reshape(w.to(a.dtype), (BLOCK_K, BLOCK_N))  # row 8 * i + j = weight row k0 + 8 * i + j
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    else:
+        # GEMV: one [BLOCK_K // 8, BLOCK_N] fp32 accumulator per activation row (BLOCK_M <= 4); rows past
+        # BLOCK_M are never built.
+        row0 = pid_m * BLOCK_M
+        x_row = x_ptr + row0 * stride_xm
+        acc0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            words = tl.load(q_cols + (k0 // 8 + offs_w)[:, None] * stride_qk, mask=n_mask[None, :], other=0)
+            g = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            # Nibble j = 4 * h + jj of a word, masked in place (no shift for jj) and OR-ed into the bits of 2^23,
+            # is the float 2^23 + q * 16^jj (at most 2^23 + 15 * 2^12: still exact); minus 2^23 + z * 16^jj it
+            # is (q - z) * 16^jj, exactly. Times x * 16^-jj (exact too) that is x * (q - z): summed over the 8
+            # nibbles of a word, then scaled by s once per tile (one FFMA per 8 weights).
+            words_hi = words >> 16  # nibbles 4..7 moved to 0..3 (the sign-extended top is masked off below)
+            x_ptrs = x_row + (k0 + 8 * offs_w) * stride_xk  # [BLOCK_K // 8]: k = k0 + 8 * i (+ j below)
+            part0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            part1 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            part2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            part3 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(8):  # jj = j % 4, 16^jj = 1 << (4 * jj)
+                if j < 4:
+                    q = (words & (0xF << (4 * (j % 4)))) | magic
+                else:
+                    q = (words_hi & (0xF << (4 * (j % 4)))) | magic
+                d = q.to(tl.float32, bitcast=True) - (z * (1 << (4 * (j % 4))) + _TWO_23)[None, :]
+                xj = x_ptrs + j * stride_xk
+                part0 += d * _x_nibble(xj, row0 < M, j)[:, None]
+                if BLOCK_M > 1:
+                    part1 += d * _x_nibble(xj + stride_xm, row0 + 1 < M, j)[:, None]
+                if BLOCK_M > 2:
+                    part2 += d * _x_nibble(xj + 2 * stride_xm, row0 + 2 < M, j)[:, None]
+                    part3 += d * _x_nibble(xj + 3 * stride_xm, row0 + 3 < M, j)[:, None]
+            acc0 += part0 * s[None, :]
+            if BLOCK_M > 1:
+                acc1 += part1 * s[None, :]
+            if BLOCK_M > 2:
+                acc2 += part2 * s[None, :]
+                acc3 += part3 * s[None, :]
+        rows = offs_m[:, None] - row0  # [BLOCK_M, 1]: 0 .. BLOCK_M - 1
+        acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_M > 1:
+            acc = tl.where(rows == 1, tl.sum(acc1, axis=0)[None, :], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(rows == 2, tl.sum(acc2, axis=0)[None, :], acc)
+            acc = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], acc)
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        acc, is_last = splitk_reduce(acc, offs_m, offs_n, M, N, partial_ptr, count_ptr,
+                                     pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
+        c_mask = c_mask & is_last
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _tile_config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by row count: small M is a bandwidth-bound GEMV
-    (thin tiles, long K tiles), large M a compute-bound GEMM (square tiles)."""
-    if m <= 16:
-        return 16, 64, 128, 4, 4
-    if m <= 64:
-        return 32 if m <= 32 else 64, 64, 64, 4, 4
-    if m <= 256:
-        return 64, 128, 64, 4, 3
-    return 128, 128, 64, 8, 3
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cpu":
-        return 4  # the interpreter: a few splits still exercise the split-K path
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _block_m(config: TileConfig, m: int) -> int:
+    """Rows per program: GEMV 1, 2 or 4; tensor cores ``config.block_m`` or the next power of two >= M (>= 16)."""
+    if not config.use_dot:
+        return min(4, triton.next_power_of_2(m))
+    return config.block_m or max(16, triton.next_power_of_2(m))
 
 
 def w4a16_linear(
@@ -92,9 +171,13 @@ def w4a16_linear(
     bias: torch.Tensor | None = None,  # [out_features]
     split_k: int | None = None,
     block: tuple[int, int, int] | None = None,
+    config: TileConfig | None = None,
+    counters: torch.Tensor | None = None,  # [>= grid tiles] int32 zeros, for split-K launches
 ) -> torch.Tensor:  # [num_rows, out_features], x.dtype
-    """``x @ W.T`` with W group-wise 4-bit. ``split_k`` (default: enough programs for two waves of the SMs) and
-    ``block`` (BLOCK_M, BLOCK_N, BLOCK_K) override the heuristics, for tests."""
+    """``x @ W.T + bias`` with W group-wise 4-bit, in one launch. ``config`` defaults to ``W4A16_TILES``'s
+    entry for (M, N, K); ``split_k`` and ``block`` (BLOCK_M, BLOCK_N, BLOCK_K; a tensor-core tiling) override
+    its fields, for tests. ``counters`` (``triton_splitk.split_counters``): the layer's zeroed arrival counters
+    for split-K launches (default: a fresh zeroed buffer)."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * 8 != k:
@@ -103,29 +186,25 @@ def w4a16_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = _tile_config(m)
+    cfg = config or W4A16_TILES.lookup(m, n, k)
     if block is not None:
-        block_m, block_n, block_k = block
-    block_k = min(block_k, group_size)
-    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    num_k_tiles = k // block_k
-    if split_k is None:
-        split_k = 1 if m > 64 else max(1, min(num_k_tiles // 2, triton.cdiv(2 * _num_sms(x.device), grid_mn)))
-    tiles_per_split = triton.cdiv(num_k_tiles, max(1, split_k))
-    split_k = triton.cdiv(num_k_tiles, tiles_per_split)
-    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    stride_os = 0 if split_k == 1 else target.stride(0)
+        cfg = dataclasses.replace(cfg, block_m=block[0], block_n=block[1], block_k=block[2], use_dot=True)
+    if split_k is not None:
+        cfg = dataclasses.replace(cfg, split_k=split_k)
+    block_m, block_n = _block_m(cfg, m), cfg.block_n
+    block_k = min(cfg.block_k, group_size)
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
+    partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 activations: no TF32 rounding
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _w4a16_kernel[grid](
-        x, qweight, scales, zeros, target, m, n, k, tiles_per_split,
+    _w4a16_kernel[(grid_n, grid_m, split)](
+        x, qweight, scales, zeros, scales if bias is None else bias, out, out if partial is None else partial,
+        scales if counters is None else counters, m, n, k, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        stride_os, target.stride(-2), target.stride(-1),
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        out.stride(0), out.stride(1), _MAGIC_BITS,
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if split_k > 1:
-        out = target.sum(dim=0).to(x.dtype)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
     return out
+

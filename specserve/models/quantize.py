@@ -26,7 +26,7 @@ def quantize_linear(linear: nn.Linear, method: str, group_size: int = INT4_GROUP
     if method == "fp8":
         if use_kernel is None and weight.device.type != "cpu" and not fp8_supported(weight.device):
             raise ValueError(f"quantization: fp8 needs torch._scaled_mm on an sm_89+ GPU; {weight.device} is not one")
-        return Fp8Linear.from_float(weight, bias, use_scaled_mm=use_kernel)
+        return Fp8Linear.from_float(weight, bias, use_scaled_mm=use_kernel, use_triton=use_kernel)
     if method == "int4":
         return Int4Linear.from_float(weight, bias, group_size, use_triton=use_kernel)
     raise ValueError(f"quantization: unknown method {method!r}; use one of {', '.join(QUANTIZATION_METHODS)}")

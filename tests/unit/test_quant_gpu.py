@@ -2,7 +2,8 @@
 
 - INT4 packing round-trips; group-wise quantization error is within half a step of each group's grid.
 - The Triton W4A16 GEMM == the torch reference dequant GEMM (fp32 and bf16 activations, M 1..64, ragged N
-  tiles, split-K on and off). Without a GPU the kernel runs under Triton's interpreter.
+  tiles, split-K on and off). Without a GPU the kernel runs under Triton's interpreter. (The W8A16 kernel, the
+  fused FP8 quantizer and W4A16's GEMV path: tests/unit/test_triton_quant.py.)
 - FP8 e4m3 per-channel / per-token quantization error is within e4m3's rounding bound; ``torch._scaled_mm``
   (where this torch has it on CPU) computes the reference's maths.
 - A tiny model quantized with int4 / fp8 gives logits close to the unquantized model's; the quantized engine's
@@ -47,11 +48,11 @@ if DEVICE.type == "cpu":  # before anything imports triton: its jit functions re
 def w4a16():
     """The kernel module: compiled on a GPU, interpreted (with the interpreter patches) on CPU."""
     pytest.importorskip("triton")
-    from specserve.layers import triton_w4a16
+    from specserve.layers import triton_splitk, triton_w4a16
     if DEVICE.type == "cpu":
-        from tests.triton_interpreter import fix_interpreter, reload_interpreted
+        from tests.triton_interpreter import fix_interpreter, reload_interpreted_chain
         fix_interpreter()
-        return reload_interpreted(triton_w4a16, "_w4a16_kernel")
+        return reload_interpreted_chain((triton_splitk, "splitk_reduce"), (triton_w4a16, "_w4a16_kernel"))[1]
     return triton_w4a16
 
 
@@ -268,15 +269,16 @@ def test_load_model_quantizes_a_dummy_checkpoint(method: str) -> None:
 
 
 @pytest.mark.slow
-def test_w4a16_kernel_compiles_for_sm90() -> None:
-    """Lower every tile configuration for sm_90 (tests/unit/w4a16_compile_check.py): the interpreter never does."""
+def test_quant_kernels_compile_for_sm90() -> None:
+    """Lower every tile-table configuration of the W8A16 / W4A16 GEMMs and the FP8 quantizer for sm_90
+    (tests/unit/quant_compile_check.py, bf16 on one shape): the interpreter never does."""
     import subprocess
     import sys
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": root}
-    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "w4a16_compile_check.py")],
-                            env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "quant_compile_check.py"), "--quick",
+                             "--no-usage"], env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 

@@ -1,0 +1,545 @@
+"""Quantized projection GEMMs on one GPU, in one run (GPU machine, not CI): bf16 ``F.linear`` against FP8 and
+INT4 kernels on the Llama-3.1-8B projection shapes at decode row counts, with a tile-configuration sweep of the
+Triton kernels. Prints tables and writes JSON (after every shape, so a run cut short keeps what it measured).
+
+Shapes (N <- K): qkv 6144 <- 4096, o 4096 <- 4096, gate_up 28672 <- 4096, down 4096 <- 14336,
+lm_head 128256 <- 4096; rows M in {1, 8, 32} (``--rows``). Methods, per (shape, M):
+
+- ``bf16``: ``F.linear`` on the bf16 weight (cuBLAS);
+- ``w8a16``: the Triton W8A16 kernel (``layers/triton_w8a16.py``) with the configuration ``W8A16_TILES`` picks;
+- ``fp8_scaled_mm``: the fused Triton activation quantizer + ``torch._scaled_mm`` (what ``Fp8Linear`` runs
+  above ``W8A16_MAX_ROWS``); ``fp8_scaled_mm_torch_quant``: the same GEMM after the old plain-torch quantizer;
+  ``fp8_quant_only``: the fused quantizer alone;
+- ``w4a16``: the Triton W4A16 kernel (``layers/triton_w4a16.py``) with ``W4A16_TILES``'s configuration;
+- ``w8a16_best`` / ``w4a16_best``: the fastest configuration of the sweep (``w8a16_sweep`` / ``w4a16_sweep``).
+
+Timing: a CUDA graph of ``--launches`` back-to-back calls (no Python or launch overhead), replayed ``--reps``
+times between CUDA events; microseconds per call. The calls rotate over copies of the weights (enough to
+exceed 256 MB) so that a weight is never still in L2 from the previous call, as in a decode step that streams
+every layer. ``gb_s`` = weight bytes (with scales / zeros) per call / time; ``bw_fraction`` = ``gb_s`` / the
+device-to-device copy bandwidth measured here (read + write bytes / time, as gpu_engine.py counts it).
+
+Correctness, in the same run: every method and every swept configuration is checked against its fp32
+reference (dequantized weights; ``w8a16_linear_reference``, ``fp8_linear_reference``, ``int4_linear_reference``)
+by ``rel_err`` = ||out - ref|| / ||ref||; the fused quantizer against ``quantize_fp8_rows`` bit for bit. A
+failing configuration is recorded (``errors``) and the run goes on.
+
+What to read: ``summary`` (per shape and M: microseconds and speedup vs bf16 of each method),
+``forward_gemm_ms`` (the projections of one 32-layer forward, LM head in bf16, per method) and ``suggested``
+(per row bucket: the sweep configuration with the least total time over the four decoder-layer shapes, as
+``TileConfig(...)`` lines for ``layers/quant_tiles.py``, and the largest M where the W8A16 kernel beats
+_scaled_mm, for ``W8A16_MAX_ROWS``).
+
+    python benchmarks/quant_gemm_gpu.py --out $OUT/quant_gemm_gpu.json
+    python benchmarks/quant_gemm_gpu.py --smoke      # wiring check on CPU (Triton interpreter, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specserve.layers.quant_tiles import TileConfig  # noqa: E402
+
+SHAPES = {  # name -> (N out_features, K in_features), Llama-3.1-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # a decoder layer's projections (the LM head stays bf16)
+NUM_LAYERS = 32
+SMOKE_SHAPES = {"qkv": (48, 256), "down": (40, 512)}
+DEFAULT_ROWS = (1, 8, 32)
+ROTATE_BYTES = 256 << 20  # weight copies per method: at least this many bytes, so L2 (50 MB) never holds one
+
+
+# ---- sweeps: the configurations timed per row count (edit freely; quant_compile_check --sweep compiles them) ----
+def w8a16_sweep(m: int) -> list[TileConfig]:
+    """GEMV tiles sized so the per-row accumulators (BLOCK_M of 1, 2 or 4 rows) stay in registers, then
+    tensor-core tiles (BLOCK_M = max(16, M))."""
+    if m <= 1:
+        gemv = [TileConfig(16, 512, 4, 1, use_dot=False), TileConfig(16, 1024, 8, 1, use_dot=False),
+                TileConfig(8, 1024, 4, 1, use_dot=False), TileConfig(8, 512, 4, 1, use_dot=False),
+                TileConfig(32, 256, 4, 1, use_dot=False), TileConfig(32, 512, 8, 1, use_dot=False),
+                TileConfig(16, 512, 4, 1, split_k=2, use_dot=False),
+                TileConfig(16, 256, 4, 1, split_k=0, use_dot=False)]
+    elif m <= 2:
+        gemv = [TileConfig(16, 256, 4, 1, use_dot=False), TileConfig(16, 512, 8, 1, use_dot=False),
+                TileConfig(8, 512, 4, 1, use_dot=False), TileConfig(16, 256, 4, 1, split_k=0, use_dot=False)]
+    else:  # 4-row tiles (M > 4: several, each reading the weights again)
+        gemv = [TileConfig(16, 128, 4, 1, use_dot=False), TileConfig(8, 256, 4, 1, use_dot=False),
+                TileConfig(16, 256, 8, 1, use_dot=False), TileConfig(16, 128, 4, 1, split_k=0, use_dot=False)]
+    dot = [TileConfig(64, 128, 4, 4), TileConfig(64, 256, 4, 3), TileConfig(32, 256, 4, 4), TileConfig(64, 64, 4, 6),
+           TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 4), TileConfig(64, 128, 4, 4, split_k=0),
+           TileConfig(32, 128, 4, 4, split_k=2)]
+    if m <= 2:
+        return gemv + dot[:3]
+    if m <= 4:
+        return gemv + dot
+    return gemv[:1] + dot
+
+
+def w4a16_sweep(m: int) -> list[TileConfig]:
+    gemv = [TileConfig(64, 128, 4, 1, use_dot=False), TileConfig(32, 128, 4, 1, use_dot=False),
+            TileConfig(128, 128, 4, 1, use_dot=False), TileConfig(128, 128, 8, 1, use_dot=False),
+            TileConfig(64, 64, 4, 1, use_dot=False), TileConfig(64, 128, 4, 1, split_k=0, use_dot=False),
+            TileConfig(32, 128, 4, 1, split_k=0, use_dot=False), TileConfig(128, 128, 4, 1, split_k=0, use_dot=False)]
+    bm = max(16, 1 << (m - 1).bit_length())
+    dot = [TileConfig(64, 128, 4, 4, block_m=bm), TileConfig(64, 64, 4, 4, block_m=bm),
+           TileConfig(128, 64, 4, 3, block_m=bm), TileConfig(32, 128, 4, 4, block_m=bm),
+           TileConfig(64, 128, 4, 4, split_k=0, block_m=bm), TileConfig(64, 64, 4, 4, split_k=0, block_m=bm),
+           TileConfig(128, 64, 8, 3, split_k=0, block_m=bm)]
+    if m <= 2:
+        return gemv + dot[:2]
+    if m <= 4:
+        return gemv[:4] + dot
+    return gemv[:1] + gemv[5:6] + dot
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, counting the read and the write (gpu_engine.py's measure)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    dt = (time.perf_counter() - t0) / iters
+    return 2 * nbytes / dt
+
+
+def time_calls(fns: list, device: torch.device, launches: int, reps: int) -> tuple[float, str]:
+    """Seconds per call of ``fns`` (called in rotation): CUDA-graph replay of ``launches`` calls on CUDA (eager
+    calls between CUDA events if capture fails), wall time on CPU. Returns (seconds, how)."""
+    for fn in fns:  # compile / autotune-free warm-up, eagerly
+        fn()
+    sync(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for i in range(max(1, reps)):
+            fns[i % len(fns)]()
+        return (time.perf_counter() - t0) / max(1, reps), "wall"
+    run, how = _graph_replay(fns, device, launches), "graph"
+    if run is None:
+        how = "eager"
+
+        def run() -> None:
+            for i in range(launches):
+                fns[i % len(fns)]()
+        run()
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (reps * launches), how
+
+
+def _graph_replay(fns: list, device: torch.device, launches: int):
+    """A function replaying a CUDA graph of ``launches`` calls of ``fns`` in rotation, or None if capture fails."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                fns[i % len(fns)]()
+        graph.replay()
+        sync(device)
+    except Exception:  # noqa: BLE001 - some op refused capture: the caller times eager launches instead
+        sync(device)
+        return None
+    return graph.replay
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def copies(tensors: tuple, nbytes: int, cap: int) -> list[tuple]:
+    """``tensors`` and clones of them: enough copies that together they exceed ``ROTATE_BYTES`` (at most ``cap``)."""
+    n = max(1, min(cap, -(-ROTATE_BYTES // max(1, nbytes))))
+    return [tensors] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+class Report:
+    def __init__(self, command: str, out: str | None, budget_s: float) -> None:
+        self.data: dict = {"command": command, "git_commit": git_commit(), "errors": {}}
+        self.start = time.perf_counter()
+        self.out = out
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def error(self, key: str, exc: BaseException) -> None:
+        self.data["errors"][key] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        print(f"!!! {key}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+    def write(self) -> None:
+        if self.out:
+            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.out).write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine_info(device: torch.device) -> dict:
+    m = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        m |= {"gpu": torch.cuda.get_device_name(device), "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+              "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}",
+              "l2_bytes": getattr(props, "L2_cache_size", None), "cuda": torch.version.cuda}
+    try:
+        m["triton"] = __import__("triton").__version__
+    except Exception as exc:  # noqa: BLE001 - absent is a fact worth recording
+        m["triton"] = f"unavailable ({type(exc).__name__})"
+    return m
+
+
+# ---- one shape ------------------------------------------------------------------------------------------------------
+def bench_shape(rep: Report, args, name: str, n: int, k: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Weights of one shape (bf16, e4m3 + scales, int4 + scales / zeros, and rotation copies), then every M."""
+    from specserve.layers.quant_gpu import quantize_fp8_rows, quantize_int4
+    from specserve.layers.triton_splitk import split_counters
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype)  # [N, K]
+    w8, w8_scale = quantize_fp8_rows(w)  # [N, K] e4m3, [N, 1] fp32
+    w8_scale = w8_scale.reshape(1, -1).contiguous()  # [1, N]
+    qweight, scales, zeros = quantize_int4(w, 128)  # [K // 8, N] int32, [K // 128, N] x2
+    nbytes = {"bf16": w.numel() * w.element_size(), "fp8": w8.numel() + w8_scale.numel() * 4,
+              "int4": qweight.numel() * 4 + 2 * scales.numel() * scales.element_size()}
+    ctx = {"name": name, "n": n, "k": k, "gen": gen, "nbytes": nbytes, "counters": split_counters(n, device),
+           "bf16": copies((w,), nbytes["bf16"], args.launches),
+           "fp8": copies((w8, w8_scale), nbytes["fp8"], args.launches),
+           "int4": copies((qweight, scales, zeros), nbytes["int4"], args.launches)}
+    shape_out: dict = {"n": n, "k": k, "weight_bytes": nbytes, "by_rows": {},
+                       "copies": {kind: len(ctx[kind]) for kind in ("bf16", "fp8", "int4")}}
+    rep.data.setdefault("shapes", {})[name] = shape_out
+    for m in args.rows:
+        row: dict = {"m": m, "methods": {}, "sweep": {"w8a16": [], "w4a16": []}}
+        shape_out["by_rows"][str(m)] = row
+        bench_row(rep, args, ctx, row, m, device, dtype)
+        rep.write()
+
+
+def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Every method, then the sweeps, for one (shape, M)."""
+    from specserve.layers import triton_w4a16, triton_w8a16
+    from specserve.layers.quant_gpu import (
+        fp8_linear_reference,
+        int4_linear_reference,
+        quantize_fp8_rows,
+        w8a16_linear_reference,
+    )
+    from specserve.layers.quant_tiles import W4A16_TILES, W8A16_TILES
+
+    name, n, k, nbytes, counters = ctx["name"], ctx["n"], ctx["k"], ctx["nbytes"], ctx["counters"]
+    bf16_sets, fp8_sets, int4_sets = ctx["bf16"], ctx["fp8"], ctx["int4"]
+    (w,), (w8, w8_scale), (qweight, scales, zeros) = bf16_sets[0], fp8_sets[0], int4_sets[0]
+    bw = rep.data.get("copy_bandwidth_gb_s") or float("nan")
+    x = torch.randn(m, k, generator=ctx["gen"], device=device).to(dtype)  # [M, K]
+    # references: fp32 maths on the dequantized weights
+    ref_bf16 = x.float() @ w.float().t()
+    ref_w8a16 = w8a16_linear_reference(x.float(), w8, w8_scale, None)
+    ref_fp8 = fp8_linear_reference(x, w8, w8_scale, None).float()
+    ref_int4 = int4_linear_reference(x.float(), qweight, scales, zeros, None)
+
+    def record(method: str, fns: list, out: torch.Tensor | None, ref: torch.Tensor | None, weight_kind: str | None,
+               tol: float | None, extra: dict | None = None) -> None:
+        key = f"{name}.m{m}.{method}"
+        try:
+            sec, how = time_calls(fns, device, args.launches, args.reps)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            rep.error(key, exc)
+            row["methods"][method] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            return
+        res = {"us": sec * 1e6, "timing": how}
+        if weight_kind:
+            gbs = nbytes[weight_kind] / sec / 1e9
+            res |= {"gb_s": gbs, "bw_fraction": gbs / bw}
+        if out is not None and ref is not None:
+            err = rel_err(out, ref)
+            res |= {"rel_err": err, "ok": bool(err <= tol)}
+            if not res["ok"]:
+                rep.data["errors"][key + ".accuracy"] = f"rel_err {err:.3g} > {tol}"
+        res |= extra or {}
+        row["methods"][method] = res
+
+    def w8a16(s, cfg=None):
+        return triton_w8a16.w8a16_linear(x, s[0], s[1], None, config=cfg, counters=counters)
+
+    def w4a16(s, cfg=None):
+        return triton_w4a16.w4a16_linear(x, *s, None, config=cfg, counters=counters)
+
+    def scaled_mm(s, quant):
+        x_q, x_s = quant(x)
+        return torch._scaled_mm(x_q, s[0].t(), scale_a=x_s, scale_b=s[1], out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    fused = triton_w8a16.quantize_fp8_rows_triton
+    record("bf16", [lambda s=s: F.linear(x, s[0]) for s in bf16_sets], F.linear(x, w), ref_bf16, "bf16", 1e-2)
+    record("w8a16", [lambda s=s: w8a16(s) for s in fp8_sets], _try(lambda: w8a16(fp8_sets[0])), ref_w8a16, "fp8",
+           1e-2, {"config": W8A16_TILES.lookup(m, n, k).describe()})
+    record("fp8_scaled_mm", [lambda s=s: scaled_mm(s, fused) for s in fp8_sets],
+           _try(lambda: scaled_mm(fp8_sets[0], fused)), ref_fp8, "fp8", 2e-2)
+    record("fp8_scaled_mm_torch_quant", [lambda s=s: scaled_mm(s, quantize_fp8_rows) for s in fp8_sets],
+           _try(lambda: scaled_mm(fp8_sets[0], quantize_fp8_rows)), ref_fp8, "fp8", 2e-2)
+    try:
+        q_fused, s_fused = fused(x)
+        q_ref, s_ref = quantize_fp8_rows(x)
+        bitwise = bool(torch.equal(q_fused.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s_fused, s_ref))
+    except Exception as exc:  # noqa: BLE001
+        rep.error(f"{name}.m{m}.fp8_quant_bitwise", exc)
+        bitwise = None
+    if bitwise is False:
+        rep.data["errors"][f"{name}.m{m}.fp8_quant_bitwise"] = "fused quantizer differs from quantize_fp8_rows"
+    record("fp8_quant_only", [lambda: fused(x)], None, None, None, None, {"bitwise_equal_to_torch": bitwise})
+    record("w4a16", [lambda s=s: w4a16(s) for s in int4_sets], _try(lambda: w4a16(int4_sets[0])), ref_int4, "int4",
+           1e-2, {"config": W4A16_TILES.lookup(m, n, k).describe()})
+    print_row(name, m, row)
+    rep.write()
+    if args.no_sweep:
+        return
+    for kernel, sweep, sets, kind, ref, call in (("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_w8a16, w8a16),
+                                                  ("w4a16", w4a16_sweep(m), int4_sets, "int4", ref_int4, w4a16)):
+        for cfg in sweep:
+            entry = {"config": cfg.describe(), "fields": dataclasses.asdict(cfg)}
+            row["sweep"][kernel].append(entry)
+            if rep.over_budget():
+                entry["skipped"] = "time budget"
+                continue
+            try:
+                err = rel_err(call(sets[0], cfg), ref)
+                sec, how = time_calls([lambda s=s, c=cfg, f=call: f(s, c) for s in sets], device, args.launches,
+                                      args.reps)
+                gbs = nbytes[kind] / sec / 1e9
+                entry |= {"us": sec * 1e6, "gb_s": gbs, "bw_fraction": gbs / bw, "rel_err": err,
+                          "ok": bool(err <= 1e-2), "timing": how}
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not stop the sweep
+                rep.error(f"{name}.m{m}.sweep.{kernel}.{cfg.describe()}", exc)
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        good = [e for e in row["sweep"][kernel] if e.get("ok")]
+        if good:
+            best = min(good, key=lambda e: e["us"])
+            row["methods"][f"{kernel}_best"] = {key: best[key] for key in ("us", "gb_s", "bw_fraction", "rel_err",
+                                                                           "config")}
+            print(f"    best {kernel:6s} {best['us']:9.1f} us {best['bw_fraction']:6.1%}  {best['config']}",
+                  flush=True)
+
+
+def _try(fn):
+    """``fn()``, or None when it raises (the timing call records the error)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def print_row(name: str, m: int, row: dict) -> None:
+    parts = []
+    for method, res in row["methods"].items():
+        if "us" in res:
+            frac = f" {res['bw_fraction']:.0%}" if "bw_fraction" in res else ""
+            bad = "" if res.get("ok", True) else " WRONG"
+            parts.append(f"{method} {res['us']:.1f}us{frac}{bad}")
+        else:
+            parts.append(f"{method} FAILED")
+    print(f"{name:8s} m={m:3d}: " + " | ".join(parts), flush=True)
+
+
+# ---- summary ---------------------------------------------------------------------------------------------------------
+def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
+    shapes_data = rep.data.get("shapes", {})
+    summary: dict = {}
+    for name, sd in shapes_data.items():
+        for m, row in sd["by_rows"].items():
+            base = row["methods"].get("bf16", {}).get("us")
+            entry = {method: {"us": round(res["us"], 2), "bw_fraction": round(res.get("bw_fraction", float("nan")), 3),
+                              "speedup_vs_bf16": round(base / res["us"], 3) if base else None}
+                     for method, res in row["methods"].items() if "us" in res}
+            summary.setdefault(name, {})[m] = entry
+    rep.data["summary"] = summary
+    # per row bucket: the sweep configuration with the least summed time over the decoder-layer shapes
+    suggested: dict = {"w8a16": {}, "w4a16": {}, "w8a16_max_rows": None}
+    layer = [s for s in LAYER_SHAPES if s in shapes_data] or list(shapes_data)
+    for kernel in ("w8a16", "w4a16"):
+        for m in rows:
+            totals: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            for s in layer:
+                for e in shapes_data[s]["by_rows"].get(str(m), {}).get("sweep", {}).get(kernel, []):
+                    if e.get("ok"):
+                        totals[e["config"]] = totals.get(e["config"], 0.0) + e["us"]
+                        counts[e["config"]] = counts.get(e["config"], 0) + 1
+            full = {c: t for c, t in totals.items() if counts[c] == len(layer)}
+            if full:
+                best = min(full, key=full.get)
+                suggested[kernel][m] = {"config": best, "layer_us": round(full[best], 2),
+                                        "per_shape_best_us": round(sum(
+                                            shapes_data[s]["by_rows"][str(m)]["methods"].get(
+                                                f"{kernel}_best", {}).get("us", float("nan")) for s in layer), 2)}
+    # W8A16_MAX_ROWS: the largest M whose best W8A16 time (summed over layer shapes) beats _scaled_mm's
+    wins = []
+    for m in rows:
+        w8 = suggested["w8a16"].get(m, {}).get("layer_us")
+        mm = sum(shapes_data[s]["by_rows"].get(str(m), {}).get("methods", {}).get("fp8_scaled_mm", {}).get(
+            "us", float("nan")) for s in layer)
+        wins.append((m, w8, mm))
+        if w8 is not None and mm == mm and w8 < mm:
+            suggested["w8a16_max_rows"] = m
+    suggested["w8a16_vs_scaled_mm_layer_us"] = {m: {"w8a16_best": a, "scaled_mm": round(b, 2)} for m, a, b in wins}
+    rep.data["suggested"] = suggested
+    # the projections of one Llama-3.1-8B forward (32 layers; the LM head in bf16, as the engine keeps it)
+    estimate: dict = {}
+    for m in rows:
+        per: dict = {}
+        for method in ("bf16", "w8a16", "w8a16_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
+            times = [shapes_data.get(s, {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+                method, {}).get("us") for s in LAYER_SHAPES]
+            head = shapes_data.get("lm_head", {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+                "bf16", {}).get("us")
+            if all(t is not None for t in times) and head is not None:
+                per[method] = round((NUM_LAYERS * sum(times) + head) / 1e3, 3)
+        if "bf16" in per:
+            per["speedup_vs_bf16"] = {k: round(per["bf16"] / v, 3) for k, v in per.items() if k != "bf16"}
+        estimate[m] = per
+    rep.data["forward_gemm_ms"] = estimate
+    rep.data["definitions"] = {
+        "us": "microseconds per call: CUDA-graph replay of back-to-back calls over rotating weight copies",
+        "gb_s": "weight bytes (incl. scales / zeros) per call / time",
+        "bw_fraction": "gb_s / copy_bandwidth_gb_s (device-to-device copy, read + write bytes / time)",
+        "rel_err": "||out - ref|| / ||ref||, ref = fp32 maths on the dequantized weights",
+        "forward_gemm_ms": f"{NUM_LAYERS} x (qkv + o + gate_up + down) + bf16 lm_head, ms: the projection part "
+                           "of one forward of M tokens (compare with gpu_engine.py's decode step)",
+        "suggested": "per row bucket, the sweep configuration with the least time summed over qkv, o, gate_up, "
+                     "down (paste into layers/quant_tiles.py); w8a16_max_rows: largest M where it beats _scaled_mm",
+    }
+
+
+def print_summary(rep: Report) -> None:
+    methods = ("bf16", "w8a16", "w8a16_best", "fp8_scaled_mm", "fp8_scaled_mm_torch_quant", "w4a16", "w4a16_best")
+    print("\nus per call (x speedup vs bf16)")
+    print(f"{'shape':8s} {'m':>3s} " + " ".join(f"{mth:>22s}" for mth in methods))
+    for name, by_m in rep.data.get("summary", {}).items():
+        for m, entry in by_m.items():
+            cells = []
+            for mth in methods:
+                e = entry.get(mth)
+                cells.append(f"{e['us']:9.1f} (x{e['speedup_vs_bf16'] or 0:5.2f})" if e else f"{'-':>22s}")
+            print(f"{name:8s} {m:>3s} " + " ".join(f"{c:>22s}" for c in cells))
+    sug = rep.data.get("suggested", {})
+    print("\nsuggested tile tables (layers/quant_tiles.py):")
+    for kernel in ("w8a16", "w4a16"):
+        for m, e in sug.get(kernel, {}).items():
+            print(f"  {kernel} rows<={m}: {e['config']}  # {e['layer_us']} us per layer "
+                  f"(per-shape best {e['per_shape_best_us']})")
+    print(f"  W8A16_MAX_ROWS: {sug.get('w8a16_max_rows')}  {sug.get('w8a16_vs_scaled_mm_layer_us')}")
+    for m, per in rep.data.get("forward_gemm_ms", {}).items():
+        print(f"projections of one forward, m={m}: {per}")
+    if rep.data.get("errors"):
+        print(f"errors ({len(rep.data['errors'])}): {', '.join(list(rep.data['errors'])[:20])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/quant_gemm_gpu.json, else "
+                                                 "benchmarks/results/quant_gemm_gpu.json)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="row counts M, comma-separated")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="shape names, comma-separated")
+    ap.add_argument("--launches", type=int, default=20, help="calls per CUDA graph (and max weight copies)")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
+    ap.add_argument("--no-sweep", action="store_true", help="time the tables' configurations only")
+    ap.add_argument("--time-budget-s", type=float, default=150.0,
+                    help="sweep configurations not yet started after this many seconds are skipped")
+    ap.add_argument("--smoke", action="store_true", help="CPU wiring check: Triton interpreter, tiny shapes")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        from tests.triton_interpreter import fix_interpreter
+        fix_interpreter()
+        args.device, args.launches, args.reps = "cpu", 2, 1
+    if args.out is None:
+        args.out = str(Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")) / "quant_gemm_gpu.json")
+    args.rows = [int(r) for r in args.rows.split(",") if r]
+    shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",") if s}
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    rep = Report(" ".join(["python", *sys.argv]), args.out, args.time_budget_s)
+    rep.data |= {"machine": machine_info(device), "rows": args.rows, "launches": args.launches, "reps": args.reps}
+    try:
+        bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+        rep.data["copy_bandwidth_gb_s"] = bw / 1e9
+        print(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        rep.error("bandwidth", exc)
+    for name, (n, k) in shapes.items():
+        print(f"--- {name} {n} <- {k} ({rep.elapsed():.0f} s)", flush=True)
+        try:
+            with torch.inference_mode():
+                bench_shape(rep, args, name, n, k, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - one shape failing keeps the others
+            rep.error(name, exc)
+        free(device)
+        rep.write()
+    summarize(rep, args.rows, list(shapes))
+    rep.data["total_seconds"] = round(rep.elapsed(), 1)
+    rep.write()
+    print_summary(rep)
+    print(f"wrote {args.out} ({rep.data['total_seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Tile configurations of the quantized GEMM kernels (``layers/triton_w8a16.py``, ``layers/triton_w4a16.py``):
+one table per kernel, keyed by a bucket of row counts M, optionally refined per weight shape ``(N, K)``.
+
+The entries are meant to be re-chosen from ``benchmarks/quant_gemm_gpu.py`` on the target GPU: it sweeps tile
+configurations per (shape, M) and prints the best ones as ``TileConfig(...)`` lines ready to paste here. A
+benchmark (or a test) can also override a lookup for a while with ``override``:
+
+    with override(W8A16_TILES, {1: TileConfig(block_n=16, block_k=512, num_warps=4, use_dot=False)}):
+        ...
+
+Nothing here imports Triton; the kernels read the table at call time (so edits and overrides apply to the next
+call; a CUDA graph keeps what it captured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of a quantized GEMM.
+
+    - ``block_n`` x ``block_k``: the weight tile one program reads per loop step (output channels x input
+      features); ``block_m`` rows of activations per program (0: the smallest power of two >= M, at least 16
+      on the tensor-core path), so at small M one program column covers every row and each weight is read once.
+    - ``use_dot``: True multiplies on the tensor cores (``tl.dot``; BLOCK_M >= 16, padded rows cost nothing but
+      issue slots); False on the CUDA cores (fp32 FMAs of a [BLOCK_M, ...] broadcast): the GEMV path for M of
+      1 to a few, where the tensor-core path would waste 15/16 of its work and needs its operands in shared
+      memory.
+    - ``split_k``: programs per output tile along K (1: none; 0: auto, enough programs for ``waves`` waves of
+      the GPU's multiprocessors). Split partial sums are reduced inside the same launch (the last program of a
+      tile to finish adds them in a fixed order: deterministic, no second kernel).
+    - ``num_warps`` / ``num_stages``: Triton launch options (warps per program, software-pipelining depth of
+      the loads that feed ``tl.dot``).
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    block_m: int = 0
+    use_dot: bool = True
+
+    def describe(self) -> str:
+        return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
+                f"use_dot={self.use_dot})")
+
+
+@dataclass
+class TileTable:
+    """Configurations by row bucket: ``by_rows[b]`` serves every M with previous bucket < M <= b (the last bucket
+    serves every larger M too); ``by_shape[(N, K)]`` is a table of the same form tried first for that shape."""
+
+    by_rows: dict[int, TileConfig]
+    by_shape: dict[tuple[int, int], dict[int, TileConfig]]
+
+    def lookup(self, m: int, n: int, k: int) -> TileConfig:
+        for table in (self.by_shape.get((n, k)), self.by_rows):
+            if table:
+                return _bucket(table, m)
+        raise KeyError("empty tile table")
+
+
+def _bucket(table: Mapping[int, TileConfig], m: int) -> TileConfig:
+    keys = sorted(table)
+    return table[next((b for b in keys if m <= b), keys[-1])]
+
+
+@contextlib.contextmanager
+def override(table: TileTable, by_rows: Mapping[int, TileConfig] | None = None,
+             by_shape: Mapping[tuple[int, int], Mapping[int, TileConfig]] | None = None) -> Iterator[None]:
+    """Replace ``table``'s entries inside a ``with`` block (benchmarks: time one configuration at a time)."""
+    saved = (table.by_rows, table.by_shape)
+    table.by_rows = dict(by_rows) if by_rows is not None else table.by_rows
+    table.by_shape = {key: dict(v) for key, v in by_shape.items()} if by_shape is not None else table.by_shape
+    try:
+        yield
+    finally:
+        table.by_rows, table.by_shape = saved
+
+
+# ---- the tables ------------------------------------------------------------------------------------------------
+# Starting points, not yet measured on the GPU: bandwidth-bound GEMV tiles at M = 1 (a few hundred programs for
+# N = 4096 without splitting K), tensor-core tiles with the output channels on the MMA's M side for larger M.
+# Re-pick them from benchmarks/quant_gemm_gpu.py's "best" lines.
+
+# FP8 weights (e4m3, per-channel scales) x 16-bit activations. Fp8Linear runs rows <= W8A16_MAX_ROWS through
+# this kernel and more rows through torch._scaled_mm (activations quantized per token by the fused kernel).
+W8A16_MAX_ROWS = 16
+W8A16_TILES = TileTable(
+    by_rows={
+        1: TileConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=0, use_dot=False),
+        2: TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=1, use_dot=False),
+        16: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        64: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    },
+    by_shape={},
+)
+
+# INT4 group-wise weights (AWQ layout) x 16-bit activations: every M (prefill too) runs through this kernel.
+W4A16_TILES = TileTable(
+    by_rows={
+        1: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, split_k=0, use_dot=False),
+        16: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, block_m=16),
+        32: TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=32),
+        64: TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=64),
+        256: TileConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64),
+        4096: TileConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128),
+    },
+    by_shape={},
+)

@@ -1,0 +1,241 @@
+"""Triton kernels for FP8 (e4m3) projections (Micikevicius et al., "FP8 Formats for Deep Learning", arXiv
+2209.05433; formats and the plain-torch maths in ``layers/quant_gpu.py``):
+
+1. ``w8a16_linear``: ``out = (x @ dequant(weight).T) * weight_scale (+ bias)`` with e4m3 weights
+   ``[N, K]`` (row-major, one fp32 scale per output channel) and 16-bit (or fp32) activations that are *not*
+   quantized: one launch per projection, for the small row counts of decoding (M of 1 to a few dozen), where a
+   GEMM is bound by the bytes of weight it streams and cuBLAS's FP8 GEMM (plus the activation quantization it
+   needs) is not. Every e4m3 value is exact in bf16, fp16 and fp32, and each product of an e4m3 weight and a
+   16-bit activation is exact in fp32, so the result is the fp32 matmul of the dequantized weight with ``x``,
+   up to summation order (``w8a16_linear_reference`` in ``quant_gpu.py``).
+2. ``quantize_fp8_rows_triton``: per-row (per-token) quantization of activations for ``torch._scaled_mm`` at
+   larger M, one kernel instead of torch's eight (float, abs, amax, div, clamp, div, clamp, to), with
+   ``quantize_fp8_rows``'s exact numerics (IEEE division, round to nearest even).
+
+W8A16 design. Output channels are tiled by ``BLOCK_N``; a program streams its ``BLOCK_N x K`` slab of weights
+(``BLOCK_K`` bytes contiguous per row per step) and keeps all M rows of activations of the launch (``BLOCK_M``
+>= M), so every weight byte is read once. Two ways to multiply, chosen per row bucket in ``layers/quant_tiles.py``:
+
+- GEMV (``use_dot=False``, M of 1 to 4): fp32 FMAs on the CUDA cores into one ``[BLOCK_N, BLOCK_K]``
+  accumulator per row, summed over K once at the end; the weight tile stays in the registers it was loaded into
+  (16-byte loads, 16 weights each). e4m3 -> fp32 is two cheap conversions on sm_89+ (e4m3x2 -> f16x2 for a pair,
+  f16 -> f32), about 3.5 instructions per weight in all at M = 1 (sm_90 SASS). The tensor cores would need 16
+  rows (15 of them padding) and the weight tile shuffled through shared memory.
+- tensor cores (``use_dot=True``): the swapped product ``out.T = W @ x.T`` so the output channels sit on the
+  MMA's M side (>= 16 or 64) and the few activation rows on its N side; the weight tile is converted to the
+  activation dtype in registers. Triton pipelines these loads (``num_stages``) through shared memory.
+
+With few output tiles, K can be split (``split_k``) and the partial sums are reduced inside the same launch
+(``layers/triton_splitk.py``): no zeroing kernel, no separate reduction kernel, deterministic.
+
+Triton is imported by this module only; callers import it lazily on the CUDA path (or in tests under
+``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.layers.quant_tiles import W8A16_TILES, TileConfig
+from specserve.layers.triton_splitk import split_buffers, split_plan, splitk_reduce
+
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
+_MIN_SCALE = tl.constexpr(1e-12)  # quant_gpu._MIN_SCALE: an all-zero row gets this scale
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr,  # [M, K] bf16 / fp16 / fp32 activations
+    w_ptr,  # [N, K] float8_e4m3fn weights, one row per output channel
+    w_scale_ptr,  # [N] fp32 per-output-channel scales
+    bias_ptr,  # [N] (read only when HAS_BIAS)
+    out_ptr,  # [M, N] x.dtype
+    partial_ptr,  # [SPLIT_K, M, N] fp32 partial sums (SPLIT_K > 1 only)
+    count_ptr,  # [grid_m * grid_n] int32 arrival counters (SPLIT_K > 1 only)
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1] row starts
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # k_per_split is a multiple of BLOCK_K: no tile straddles splits
+    if USE_DOT:
+        # out.T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x.T [K, BLOCK_M]: channels on the MMA's M side
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            k_mask = offs_k < K
+            w_ptrs = w_rows + offs_k[None, :] * stride_wk
+            x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+            if W_VIA_F32:  # bf16: e4m3x2 -> f16x2 -> f32 -> bf16x2 (packed), cheaper than e4m3 -> f16 -> bf16
+                w = w.to(tl.float32)
+            acc_t = tl.dot(w.to(xt.dtype), xt, acc_t, input_precision=PRECISION)  # exact conversions
+        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+    else:
+        # GEMV on the CUDA cores: one [BLOCK_N, BLOCK_K] fp32 accumulator per activation row (BLOCK_M <= 4),
+        # acc_r[n, k'] summing x[r, k] * w[n, k] over k = k' (mod BLOCK_K), reduced over k' once at the end. 2D
+        # tensors keep the weight tile in the layout it was loaded in (a 3D [M, N, K] accumulator makes Triton
+        # shuffle every weight tile through shared memory); accumulators of rows >= BLOCK_M are never built.
+        row0 = pid_m * BLOCK_M
+        x_row = x_ptr + row0 * stride_xm
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            k_mask = offs_k < K
+            w_ptrs = w_rows + offs_k[None, :] * stride_wk
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = w.to(tl.float32)  # e4m3x2 -> f16x2 -> f32: exact
+            x_ptrs = x_row + offs_k * stride_xk
+            acc0 += w * tl.load(x_ptrs, mask=k_mask & (row0 < M), other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M > 1:
+                acc1 += w * tl.load(x_ptrs + stride_xm, mask=k_mask & (row0 + 1 < M), other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M > 2:
+                acc2 += w * tl.load(x_ptrs + 2 * stride_xm, mask=k_mask & (row0 + 2 < M),
+                                    other=0.0).to(tl.float32)[None, :]
+                acc3 += w * tl.load(x_ptrs + 3 * stride_xm, mask=k_mask & (row0 + 3 < M),
+                                    other=0.0).to(tl.float32)[None, :]
+        rows = offs_m[:, None] - row0  # [BLOCK_M, 1]: 0 .. BLOCK_M - 1
+        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_M > 1:
+            acc = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
+            acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        acc, is_last = splitk_reduce(acc, offs_m, offs_n, M, N, partial_ptr, count_ptr,
+                                     pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
+        c_mask = c_mask & is_last
+    scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc * scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _block_m(config: TileConfig, m: int) -> int:
+    """Rows per program: the tensor-core path takes at least 16 (and ``config.block_m`` if set); the GEMV path
+    1, 2 or 4 (more rows run in several row tiles, each reading the weights again)."""
+    if not config.use_dot:
+        return min(4, triton.next_power_of_2(m))
+    return config.block_m or max(16, triton.next_power_of_2(m))
+
+
+def w8a16_linear(
+    x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] (or [out_features]) float32
+    bias: torch.Tensor | None = None,  # [out_features]
+    config: TileConfig | None = None,
+    counters: torch.Tensor | None = None,  # [>= grid tiles] int32 zeros, for split-K launches
+) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    """``(x @ weight.float().T) * weight_scale + bias`` in one launch, activations unquantized. ``config``
+    defaults to ``W8A16_TILES``'s entry for (M, N, K); ``counters`` (see ``split_counters``) to a fresh zeroed
+    buffer when the configuration splits K."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x: in_features {k} != weight in_features {weight.shape[1]}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or W8A16_TILES.lookup(m, n, k)
+    block_m, block_n = _block_m(cfg, m), cfg.block_n
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
+    partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
+    w_scale = weight_scale.reshape(-1)
+    if not w_scale.is_contiguous():
+        w_scale = w_scale.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 activations: no TF32 rounding
+    _w8a16_kernel[(grid_n, grid_m, split)](
+        x, weight, w_scale, w_scale if bias is None else bias, out, out if partial is None else partial,
+        w_scale if counters is None else counters,
+        m, n, k, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=x.dtype == torch.bfloat16,
+        PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---- per-token activation quantization (the _scaled_mm path) --------------------------------------------------
+@triton.jit
+def _quantize_fp8_rows_kernel(
+    x_ptr,  # [M, K] bf16 / fp16 / fp32
+    q_ptr,  # [M, K] float8_e4m3fn, contiguous
+    scale_ptr,  # [M] fp32 (the [M, 1] scale column)
+    K, stride_xm, stride_xk,
+    BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    """One program per row: ``scale = max(amax(|x|) / 448, 1e-12)``, ``q = e4m3(clamp(x / scale, -448, 448))``
+    with IEEE division and round-to-nearest-even, as ``quantize_fp8_rows``. ``ONE_PASS``: the row fits one
+    tile and stays in registers; otherwise a first pass finds amax and a second re-reads the row (from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * K
+    offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:
+        xf = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xf), axis=0)
+    else:
+        running = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            running = tl.maximum(running, tl.abs(xs))
+        amax = tl.max(running, axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), _MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    if ONE_PASS:
+        q = tl.clamp(tl.math.div_rn(xf, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=offs < K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(xs, scale), -FP8_MAX, FP8_MAX)
+            tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=k0 + offs < K)
+
+
+def quantize_fp8_rows_triton(
+    x: torch.Tensor,  # [num_rows, num_cols] bf16 / fp16 / fp32
+    max_block: int = 8192,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [num_rows, num_cols] float8_e4m3fn, scale [num_rows, 1] fp32)
+    """``quantize_fp8_rows`` in one launch (same bits). Rows up to ``max_block`` columns are read once."""
+    m, k = x.shape
+    x_q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return x_q, scale
+    block = min(triton.next_power_of_2(max(k, 16)), max_block)
+    num_warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
+    _quantize_fp8_rows_kernel[(m,)](x, x_q, scale, k, x.stride(0), x.stride(1), BLOCK_K=block,
+                                    ONE_PASS=block >= k, num_warps=num_warps)
+    return x_q, scale

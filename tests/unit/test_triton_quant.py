@@ -1,0 +1,181 @@
+"""Triton kernels for quantized projections (layers/triton_w8a16.py, layers/triton_w4a16.py,
+layers/triton_splitk.py, layers/quant_tiles.py), against the plain-torch maths of layers/quant_gpu.py. Without a
+GPU they run under Triton's interpreter (tests/triton_interpreter.py), so the shapes stay small.
+
+- W8A16 (e4m3 weights, unquantized activations) == ``w8a16_linear_reference`` for M in {1, 3, 16, 17}, odd N,
+  K not a multiple of the K tile, bias or none, the GEMV and tensor-core paths, split K (in-launch reduction:
+  deterministic, counters left zero); ``Fp8Linear`` sends small M to it and larger M to the reference.
+- The fused FP8 activation quantizer == ``quantize_fp8_rows`` bit for bit (one- and two-pass rows, zero rows,
+  subnormal e4m3 results, bf16 / fp16 / fp32 inputs).
+- W4A16's GEMV path (M <= 4 per row tile) and tensor-core path with bias and split K == ``int4_linear_reference``.
+- Tile tables: bucket lookup, per-shape entries, ``override``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from specserve.layers.quant_gpu import (
+    Fp8Linear,
+    fp8_linear_reference,
+    int4_linear_reference,
+    quantize_fp8_rows,
+    quantize_int4,
+    w8a16_linear_reference,
+)
+from specserve.layers.quant_tiles import W8A16_TILES, TileConfig, TileTable, override
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":  # before anything imports triton: its jit functions read TRITON_INTERPRET when defined
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """(triton_w8a16, triton_w4a16): compiled on a GPU, interpreted (with the interpreter patches) on CPU."""
+    pytest.importorskip("triton")
+    from specserve.layers import triton_splitk, triton_w4a16, triton_w8a16
+    if DEVICE.type == "cpu":
+        from tests.triton_interpreter import fix_interpreter, reload_interpreted_chain
+        fix_interpreter()
+        _, triton_w8a16, triton_w4a16 = reload_interpreted_chain(
+            (triton_splitk, "splitk_reduce"), (triton_w8a16, "_w8a16_kernel"), (triton_w4a16, "_w4a16_kernel"))
+    return triton_w8a16, triton_w4a16
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: summation order only; 16-bit: both round an fp32 sum, at most a step or two apart."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
+
+
+def _fp8_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w_q, w_scale = quantize_fp8_rows(torch.randn(n, k, generator=gen) / k**0.5)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return (x.to(DEVICE), w_q.to(DEVICE), w_scale.reshape(1, -1).to(DEVICE),
+            None if b is None else b.to(DEVICE))
+
+
+# ---- W8A16 ----------------------------------------------------------------------------------------------------
+GEMV = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=False)
+DOT = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, True), (torch.float32, False)])
+def test_w8a16_matches_reference(kernels, m: int, dtype: torch.dtype, bias: bool) -> None:
+    """N = 37: a ragged last N tile; K = 96: three K tiles of 32 (GEMV) / a ragged one of 64 (tensor cores)."""
+    w8a16 = kernels[0]
+    x, w_q, w_scale, b = _fp8_case(m, 37, 96, dtype, bias, seed=m)
+    ref = w8a16_linear_reference(x, w_q, w_scale, b)
+    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64)):
+        _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg), ref)
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(GEMV, split_k=3), dataclasses.replace(DOT, split_k=2),
+                                 dataclasses.replace(DOT, split_k=0)])
+def test_w8a16_split_k_reduces_in_launch(kernels, cfg: TileConfig) -> None:
+    w8a16 = kernels[0]
+    x, w_q, w_scale, b = _fp8_case(3, 37, 160, torch.bfloat16, True, seed=7)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters)
+    _close(out, w8a16_linear_reference(x, w_q, w_scale, b))
+    assert not counters.any()  # the last program of each tile reset its counter
+    again = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters)
+    assert torch.equal(again, out)  # partials are added in split order, whatever the arrival order
+
+
+def test_w8a16_table_strided_and_empty(kernels) -> None:
+    w8a16 = kernels[0]
+    x, w_q, w_scale, _ = _fp8_case(2, 24, 64, torch.bfloat16, False)
+    wide = torch.cat([x, torch.zeros_like(x)], dim=1)[:, :64]  # row stride 128
+    _close(w8a16.w8a16_linear(wide, w_q, w_scale), w8a16_linear_reference(x, w_q, w_scale, None))
+    assert w8a16.w8a16_linear(x[:0], w_q, w_scale).shape == (0, 24)
+    with pytest.raises(ValueError, match="in_features"):
+        w8a16.w8a16_linear(x[:, :32], w_q, w_scale)
+
+
+def test_fp8_linear_uses_the_kernel_for_small_m(kernels) -> None:
+    """``use_triton``: rows up to ``max_triton_rows`` run the W8A16 kernel (activations not quantized), more rows
+    the per-token-quantized maths (here the reference: ``use_scaled_mm=False``)."""
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 64, generator=gen) / 8, torch.randn(40, generator=gen)
+    layer = Fp8Linear.from_float(w, b, use_scaled_mm=False, use_triton=True).to(DEVICE)
+    layer.max_triton_rows = 4
+    assert layer.split_counters.dtype == torch.int32 and "split_counters" not in layer.state_dict()
+    x = torch.randn(6, 64, generator=gen).to(DEVICE)
+    _close(layer(x[:4]), w8a16_linear_reference(x[:4], layer.weight, layer.weight_scale, layer.bias))
+    torch.testing.assert_close(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
+
+
+# ---- fused FP8 activation quantizer ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k, max_block", [(300, 8192), (300, 128)])  # one pass; two passes over 3 chunks
+def test_fused_fp8_quantizer_is_bitwise_torch(kernels, dtype: torch.dtype, k: int, max_block: int) -> None:
+    gen = torch.Generator().manual_seed(k + max_block)
+    x = torch.randn(5, k, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1e2]).unsqueeze(1)
+    x[3] = 0.0  # an all-zero row: scale 1e-12, zeros
+    x[1, :7] = torch.tensor([1e-4, -3e-4, 2e-3, 448.0, -5.0, 0.0, 7e-3])  # e4m3 subnormals after scaling
+    x = x.to(dtype)
+    x_q, scale = kernels[0].quantize_fp8_rows_triton(x.to(DEVICE), max_block=max_block)
+    ref_q, ref_scale = quantize_fp8_rows(x)
+    assert x_q.dtype == ref_q.dtype and scale.shape == ref_scale.shape == (5, 1)
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert torch.equal(x_q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
+# ---- W4A16 ----------------------------------------------------------------------------------------------------
+def _int4_case(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    qweight, scales, zeros = (t.to(DEVICE) for t in quantize_int4(w, group_size, dtype))
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, qweight, scales, zeros, b
+
+
+@pytest.mark.parametrize("m, dtype, split_k", [(1, torch.bfloat16, 1), (2, torch.float32, 3), (4, torch.float32, 0),
+                                               (5, torch.bfloat16, 2)])
+def test_w4a16_gemv_matches_reference(kernels, m: int, dtype: torch.dtype, split_k: int) -> None:
+    """The GEMV path (one row tile of up to 4 rows; M = 5 takes two), groups of 64, bias, split K. The GEMV keeps
+    the dequantized weights in fp32 (the reference rounds them to the activation dtype), so bf16 compares loosely."""
+    x, qweight, scales, zeros, b = _int4_case(m, 37, 256, 64, dtype, bias=True, seed=m)
+    cfg = TileConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=split_k, use_dot=False)
+    out = kernels[1].w4a16_linear(x, qweight, scales, zeros, b, config=cfg)
+    ref = int4_linear_reference(x, qweight, scales, zeros, b)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_w4a16_dot_bias_epilogue_and_split(kernels) -> None:
+    x, qweight, scales, zeros, b = _int4_case(17, 40, 256, 128, torch.float32, bias=True, seed=3)
+    counters = torch.zeros(32, dtype=torch.int32, device=DEVICE)
+    cfg = TileConfig(block_n=32, block_k=64, num_warps=4, num_stages=2, split_k=4, block_m=16)
+    out = kernels[1].w4a16_linear(x, qweight, scales, zeros, b, config=cfg, counters=counters)
+    torch.testing.assert_close(out, int4_linear_reference(x, qweight, scales, zeros, b), atol=1e-4, rtol=1e-4)
+    assert not counters.any()
+
+
+# ---- tile tables ----------------------------------------------------------------------------------------------
+def test_tile_table_buckets_shapes_and_override() -> None:
+    a, b, c = TileConfig(16, 512, use_dot=False), TileConfig(64, 128), TileConfig(128, 64)
+    table = TileTable(by_rows={1: a, 16: b}, by_shape={(6144, 4096): {4: c}})
+    assert table.lookup(1, 4096, 4096) is a and table.lookup(2, 4096, 4096) is b
+    assert table.lookup(500, 4096, 4096) is b  # past the last bucket: the last entry
+    assert table.lookup(1, 6144, 4096) is c and table.lookup(9, 6144, 4096) is c
+    with override(table, by_rows={8: c}, by_shape={}):
+        assert table.lookup(1, 6144, 4096) is c and table.lookup(100, 1, 1) is c
+    assert table.lookup(1, 4096, 4096) is a and table.lookup(1, 6144, 4096) is c
+    assert W8A16_TILES.lookup(1, 4096, 4096).use_dot is False  # decode rows run the GEMV path
+    assert "use_dot=False" in a.describe() and eval(a.describe()) == a  # describe() pastes back as code

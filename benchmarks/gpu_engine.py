@@ -398,8 +398,9 @@ def e2e_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> 
     for name, (spec_cfg, spec) in runs.items():
         try:
             engine = engine_for(model, config, device, max(args.concurrency), 4.0, max_len, 4096, spec=spec_cfg)
-            engine.generate(random_prompts(2, args.e2e_prompt_len, config.vocab_size, seed=99),
-                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), spec)  # warm-up
+            for c in args.concurrency:  # warm-up at every concurrency: Triton compiles a prefill's variants once
+                engine.generate(random_prompts(c, args.e2e_prompt_len, config.vocab_size, seed=99),
+                                SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), spec)
             res = {}
             for c in args.concurrency:
                 prompts = random_prompts(c, args.e2e_prompt_len, config.vocab_size, seed=c)

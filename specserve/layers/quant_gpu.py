@@ -155,10 +155,11 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, use_scaled_mm: bool | None = None,
-                   use_triton: bool | None = None) -> Fp8Linear:
+                   use_triton: bool | None = None, activation_quant: str = "per_token") -> Fp8Linear:
         """Quantize ``weight [out_features, in_features]`` with one scale per output channel."""
         w_q, w_scale = quantize_fp8_rows(weight.detach())
-        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm, use_triton)
+        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm, use_triton,
+                   activation_quant=activation_quant)
 
     def forward(
         self,

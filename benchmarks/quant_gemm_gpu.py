@@ -6,7 +6,11 @@ Shapes (N <- K): qkv 6144 <- 4096, o 4096 <- 4096, gate_up 28672 <- 4096, down 4
 lm_head 128256 <- 4096; rows M in {1, 8, 32} (``--rows``). Methods, per (shape, M):
 
 - ``bf16``: ``F.linear`` on the bf16 weight (cuBLAS);
-- ``w8a16``: the Triton W8A16 kernel (``layers/triton_w8a16.py``) with the configuration ``W8A16_TILES`` picks;
+- ``w8a16``: the Triton W8A16 kernel (``layers/triton_w8a16.py``) with the configuration ``W8A16_TILES`` picks,
+  activations quantized per token inside the kernel (what ``Fp8Linear`` runs up to
+  ``W8A16_INKERNEL_QUANT_MAX_ROWS``); ``w8a16_prequant``: the fused quantizer, then the kernel on e4m3
+  activations (same bits; ``Fp8Linear`` above that threshold); ``w8a16_noquant``: the kernel on unquantized
+  activations (``act_quant="none"``, the maths before per-token quantization, for comparison);
 - ``fp8_scaled_mm``: the fused Triton activation quantizer + ``torch._scaled_mm`` (what ``Fp8Linear`` runs
   above ``W8A16_MAX_ROWS``); ``fp8_scaled_mm_torch_quant``: the same GEMM after the old plain-torch quantizer;
   ``fp8_quant_only``: the fused quantizer alone;
@@ -20,7 +24,8 @@ every layer. ``gb_s`` = weight bytes (with scales / zeros) per call / time; ``bw
 device-to-device copy bandwidth measured here (read + write bytes / time, as gpu_engine.py counts it).
 
 Correctness, in the same run: every method and every swept configuration is checked against its fp32
-reference (dequantized weights; ``w8a16_linear_reference``, ``fp8_linear_reference``, ``int4_linear_reference``)
+reference (dequantized weights; ``fp8_linear_reference`` for the per-token FP8 methods, ``w8a16_linear_reference``
+for ``w8a16_noquant``, ``int4_linear_reference``)
 by ``rel_err`` = ||out - ref|| / ||ref||; the fused quantizer against ``quantize_fp8_rows`` bit for bit. A
 failing configuration is recorded (``errors``) and the run goes on.
 
@@ -291,8 +296,8 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     x = torch.randn(m, k, generator=ctx["gen"], device=device).to(dtype)  # [M, K]
     # references: fp32 maths on the dequantized weights
     ref_bf16 = x.float() @ w.float().t()
-    ref_w8a16 = w8a16_linear_reference(x.float(), w8, w8_scale, None)
-    ref_fp8 = fp8_linear_reference(x, w8, w8_scale, None).float()
+    ref_w8a16 = w8a16_linear_reference(x.float(), w8, w8_scale, None)  # unquantized activations (noquant)
+    ref_fp8 = fp8_linear_reference(x.float(), w8, w8_scale, None)  # per-token: w8a16, w8a16_prequant, _scaled_mm
     ref_int4 = int4_linear_reference(x.float(), qweight, scales, zeros, None)
 
     def record(method: str, fns: list, out: torch.Tensor | None, ref: torch.Tensor | None, weight_kind: str | None,
@@ -316,8 +321,8 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
         res |= extra or {}
         row["methods"][method] = res
 
-    def w8a16(s, cfg=None):
-        return triton_w8a16.w8a16_linear(x, s[0], s[1], None, config=cfg, counters=counters)
+    def w8a16(s, cfg=None, act_quant="per_token"):
+        return triton_w8a16.w8a16_linear(x, s[0], s[1], None, config=cfg, counters=counters, act_quant=act_quant)
 
     def w4a16(s, cfg=None):
         return triton_w4a16.w4a16_linear(x, *s, None, config=cfg, counters=counters)
@@ -329,8 +334,15 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
 
     fused = triton_w8a16.quantize_fp8_rows_triton
     record("bf16", [lambda s=s: F.linear(x, s[0]) for s in bf16_sets], F.linear(x, w), ref_bf16, "bf16", 1e-2)
-    record("w8a16", [lambda s=s: w8a16(s) for s in fp8_sets], _try(lambda: w8a16(fp8_sets[0])), ref_w8a16, "fp8",
-           1e-2, {"config": W8A16_TILES.lookup(m, n, k).describe()})
+    w8_cfg = {"config": W8A16_TILES.lookup(m, n, k).describe()}
+    # per-token modes: the reference's maths up to summation order and the bf16 output rounding (the unquantized
+    # mode misses it by several percent), hence the tighter tolerance
+    record("w8a16", [lambda s=s: w8a16(s) for s in fp8_sets], _try(lambda: w8a16(fp8_sets[0])), ref_fp8, "fp8",
+           5e-3, w8_cfg)
+    for mode, ref, tol in (("prequant", ref_fp8, 5e-3), ("noquant", ref_w8a16, 1e-2)):
+        act = {"prequant": "per_token_prequant", "noquant": "none"}[mode]
+        record(f"w8a16_{mode}", [lambda s=s, a=act: w8a16(s, act_quant=a) for s in fp8_sets],
+               _try(lambda a=act: w8a16(fp8_sets[0], act_quant=a)), ref, "fp8", tol, w8_cfg)
     record("fp8_scaled_mm", [lambda s=s: scaled_mm(s, fused) for s in fp8_sets],
            _try(lambda: scaled_mm(fp8_sets[0], fused)), ref_fp8, "fp8", 2e-2)
     record("fp8_scaled_mm_torch_quant", [lambda s=s: scaled_mm(s, quantize_fp8_rows) for s in fp8_sets],
@@ -351,7 +363,7 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     rep.write()
     if args.no_sweep:
         return
-    for kernel, sweep, sets, kind, ref, call in (("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_w8a16, w8a16),
+    for kernel, sweep, sets, kind, ref, call in (("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_fp8, w8a16),
                                                   ("w4a16", w4a16_sweep(m), int4_sets, "int4", ref_int4, w4a16)):
         for cfg in sweep:
             entry = {"config": cfg.describe(), "fields": dataclasses.asdict(cfg)}
@@ -444,7 +456,8 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
     estimate: dict = {}
     for m in rows:
         per: dict = {}
-        for method in ("bf16", "w8a16", "w8a16_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
+        for method in ("bf16", "w8a16", "w8a16_prequant", "w8a16_noquant", "w8a16_best", "fp8_scaled_mm", "w4a16",
+                       "w4a16_best"):
             times = [shapes_data.get(s, {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
                 method, {}).get("us") for s in LAYER_SHAPES]
             head = shapes_data.get("lm_head", {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
@@ -468,7 +481,8 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
 
 
 def print_summary(rep: Report) -> None:
-    methods = ("bf16", "w8a16", "w8a16_best", "fp8_scaled_mm", "fp8_scaled_mm_torch_quant", "w4a16", "w4a16_best")
+    methods = ("bf16", "w8a16", "w8a16_prequant", "w8a16_noquant", "w8a16_best", "fp8_scaled_mm",
+               "fp8_scaled_mm_torch_quant", "w4a16", "w4a16_best")
     print("\nus per call (x speedup vs bf16)")
     print(f"{'shape':8s} {'m':>3s} " + " ".join(f"{mth:>22s}" for mth in methods))
     for name, by_m in rep.data.get("summary", {}).items():

@@ -8,8 +8,11 @@ sync). The product ``(x_q * s_x) @ (w_q * s_w).T = s_x * (x_q @ w_q.T) * s_w`` r
 ``torch._scaled_mm`` with row-wise scales (``[M, 1]`` and ``[1, N]``), accumulating in fp32 and writing bf16;
 on CUDA one Triton kernel quantizes the activations (``layers/triton_w8a16.py``). At decode sizes (M up to
 ``quant_tiles.W8A16_MAX_ROWS``) the GEMM is a weight-bandwidth-bound GEMV: there a Triton W8A16 kernel reads
-the e4m3 weights once and multiplies them with the unquantized 16-bit activations (``w8a16_linear_reference``
-is its maths: no activation rounding, so small-M outputs are slightly more accurate than the _scaled_mm path's).
+the e4m3 weights once and quantizes the activations per token itself, with the same operations as the fused
+quantizer (the same e4m3 bits and scales), so every row count computes ``fp8_linear_reference``'s maths: a
+token's output does not depend on how many rows share its step (decode at batch b vs a speculative verify of
+b x (k + 1) rows) beyond fp32 summation order. (``activation_quant="none"`` keeps the older unquantized-activation
+W8A16 maths, ``w8a16_linear_reference``, whose small-M results differ from the _scaled_mm path's.)
 Off the accelerator the same maths runs as a reference (dequantize both operands, fp32 matmul).
 
 INT4 (weight-only, group-wise, as in AWQ: Lin et al., "AWQ: Activation-aware Weight Quantization for LLM
@@ -78,8 +81,9 @@ def w8a16_linear_reference(
     weight_scale: torch.Tensor,  # [1, out_features] float32
     bias: torch.Tensor | None,  # [out_features]
 ) -> torch.Tensor:  # [num_rows, out_features], x.dtype
-    """The W8A16 kernel's maths (``triton_w8a16.w8a16_linear``): e4m3 weights dequantized exactly, activations
-    not quantized, fp32 products and sums, the per-channel scale and bias applied to the fp32 sums."""
+    """The W8A16 kernel's maths with ``act_quant="none"`` (``triton_w8a16.w8a16_linear``; not ``Fp8Linear``'s
+    default): e4m3 weights dequantized exactly, activations not quantized, fp32 products and sums, the
+    per-channel scale and bias applied to the fp32 sums."""
     out = (x.float() @ weight.float().t()) * weight_scale.reshape(1, -1)
     if bias is not None:
         out = out + bias.float()
@@ -92,7 +96,10 @@ def fp8_linear_reference(
     weight_scale: torch.Tensor,  # [1, out_features] float32
     bias: torch.Tensor | None,  # [out_features]
 ) -> torch.Tensor:  # [num_rows, out_features], x.dtype
-    """The FP8 GEMM's maths in plain torch: per-token activation quantization, fp32 products and sums."""
+    """The FP8 GEMM's maths in plain torch, for every row count and path of ``Fp8Linear`` (the W8A16 kernel's
+    default, ``act_quant="per_token"``, and _scaled_mm's): per-token activation quantization
+    (``quantize_fp8_rows``), exact fp32 products of e4m3 values summed in fp32, then ``* x_scale * weight_scale``
+    and the bias. Implementations differ from it (and from each other) only in summation order."""
     x_q, x_scale = quantize_fp8_rows(x)
     out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale
     if bias is not None:
@@ -121,13 +128,20 @@ class Fp8Linear(nn.Module):
     """A projection with e4m3 weights and one fp32 scale per output channel.
 
     Rows up to ``max_triton_rows`` (None: ``quant_tiles.W8A16_MAX_ROWS`` at call time) go through the Triton
-    W8A16 kernel when ``use_triton`` (None: on CUDA tensors); more rows through ``torch._scaled_mm`` with
-    per-token activation scales when ``use_scaled_mm`` (None: off CPU), else the reference maths."""
+    W8A16 kernel when ``use_triton`` (None: on CUDA tensors); more rows through ``torch._scaled_mm`` when
+    ``use_scaled_mm`` (None: off CPU), else the reference maths. ``activation_quant``: "per_token" (default)
+    quantizes activations per token on every path, identically (``fp8_linear_reference``), so results do not
+    depend on the row count beyond summation order; the kernel quantizes them itself up to
+    ``quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS`` rows and takes them from the fused quantizer above. "none":
+    the W8A16 kernel multiplies unquantized activations (``w8a16_linear_reference``; larger row counts stay
+    quantized, so a token's logits then depend on its step's row count)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  use_scaled_mm: bool | None = None, use_triton: bool | None = None,
-                 max_triton_rows: int | None = None) -> None:
+                 max_triton_rows: int | None = None, activation_quant: str = "per_token") -> None:
         super().__init__()
+        if activation_quant not in ("per_token", "none"):
+            raise ValueError(f"activation_quant: {activation_quant!r} is not 'per_token' or 'none'")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [out_features, in_features] float8_e4m3fn
         self.register_buffer("weight_scale", weight_scale.reshape(1, -1).contiguous())  # [1, out_features] fp32
@@ -137,13 +151,15 @@ class Fp8Linear(nn.Module):
         self.use_scaled_mm = use_scaled_mm
         self.use_triton = use_triton
         self.max_triton_rows = max_triton_rows
+        self.activation_quant = activation_quant
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, use_scaled_mm: bool | None = None,
-                   use_triton: bool | None = None) -> Fp8Linear:
+                   use_triton: bool | None = None, activation_quant: str = "per_token") -> Fp8Linear:
         """Quantize ``weight [out_features, in_features]`` with one scale per output channel."""
         w_q, w_scale = quantize_fp8_rows(weight.detach())
-        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm, use_triton)
+        return cls(w_q, w_scale, None if bias is None else bias.detach().clone(), use_scaled_mm, use_triton,
+                   activation_quant=activation_quant)
 
     def forward(
         self,
@@ -153,7 +169,11 @@ class Fp8Linear(nn.Module):
         max_rows = quant_tiles.W8A16_MAX_ROWS if self.max_triton_rows is None else self.max_triton_rows
         if triton_ok and x.shape[0] <= max_rows:
             from specserve.layers.triton_w8a16 import w8a16_linear  # Triton is imported on the kernel path only
-            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters)
+            act_quant = self.activation_quant
+            if act_quant == "per_token" and x.shape[0] > quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS:
+                act_quant = "per_token_prequant"  # the fused quantizer first: the same e4m3 bits and scales
+            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
+                                act_quant=act_quant)
         use = self.use_scaled_mm if self.use_scaled_mm is not None else x.device.type != "cpu"
         fn = fp8_linear_scaled_mm if use else fp8_linear_reference
         return fn(x, self.weight, self.weight_scale, self.bias)

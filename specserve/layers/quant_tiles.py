@@ -87,10 +87,17 @@ def override(table: TileTable, by_rows: Mapping[int, TileConfig] | None = None,
 # ---- the tables ------------------------------------------------------------------------------------------------
 # Picked from benchmarks/quant_gemm_gpu.py on an H200 (benchmarks/results/quant_gemm_gpu.json, "suggested": the
 # config with the least summed time over Llama-3.1-8B's qkv / o / gate_up / down projections per row bucket).
-# FP8 weights (e4m3, per-channel scales) x 16-bit activations. Fp8Linear runs rows <= W8A16_MAX_ROWS through
-# this kernel and more rows through torch._scaled_mm (activations quantized per token by the fused kernel):
-# at 32 rows W8A16 still beat the fused quantizer + _scaled_mm (102.6 vs 113.1 us per layer).
+# FP8 weights (e4m3, per-channel scales) x activations quantized per token (e4m3). Fp8Linear runs rows <=
+# W8A16_MAX_ROWS through this kernel and more rows through torch._scaled_mm (after the fused quantizer):
+# at 32 rows W8A16 still beat the fused quantizer + _scaled_mm (102.6 vs 113.1 us per layer; measured when the
+# W8A16 kernel did not quantize activations: re-time).
 W8A16_MAX_ROWS = 32
+# The W8A16 kernel quantizes activations per token itself (an amax pass over each program's rows of x, then
+# e4m3 rounding in registers: no extra launch) up to this many rows; above it, up to W8A16_MAX_ROWS, the fused
+# quantizer runs first and the kernel reads e4m3 activations (one more launch, but each program of a split-K
+# launch no longer re-reads all of x for the amax). Both give the same bits. Re-time with quant_gemm_gpu.py
+# (methods w8a16 vs w8a16_prequant).
+W8A16_INKERNEL_QUANT_MAX_ROWS = 32
 W8A16_TILES = TileTable(
     by_rows={
         1: TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),

@@ -7,7 +7,8 @@ Each wrapper runs on CPU tensors with its kernel replaced by a recorder; every d
 the way ``kernel[grid](...)`` would on an sm_90 GPU (the JIT's own specialization: integer 1 as a constant,
 16-divisible integers and pointers marked so). Covered: every entry of the tile tables
 (``layers/quant_tiles.py``) at the row counts they serve, bf16 / fp16 / fp32 activations, bias or none, split K,
-on Llama-3.1-8B projection shapes; with ``--sweep``, every configuration ``benchmarks/quant_gemm_gpu.py`` times.
+the W8A16 activation modes (per token in the kernel, the default; pre-quantized e4m3; none), on Llama-3.1-8B
+projection shapes; with ``--sweep``, every configuration ``benchmarks/quant_gemm_gpu.py`` times.
 Prints registers and spills (ptxas -v) per variant.
 
     PYTHONPATH=. python tests/unit/quant_compile_check.py [--arch 90] [--quick] [--sweep]
@@ -131,6 +132,8 @@ def table_calls(quick: bool):
                     triton_w8a16.w8a16_linear(x, w8, w8_scale, bias)
                     cfg = quant_tiles.W8A16_TILES.lookup(m, n, k)
                     triton_w8a16.w8a16_linear(x, w8, w8_scale, None, config=_replace(cfg, split_k=3))
+                    for act_quant in ("none", "per_token_prequant"):
+                        triton_w8a16.w8a16_linear(x, w8, w8_scale, bias, act_quant=act_quant)
                 for m in w4_rows:
                     x = torch.zeros(m, k, dtype=dtype)
                     triton_w4a16.w4a16_linear(x, qweight, groups, groups, None)

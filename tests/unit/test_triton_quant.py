@@ -2,9 +2,15 @@
 layers/triton_splitk.py, layers/quant_tiles.py), against the plain-torch maths of layers/quant_gpu.py. Without a
 GPU they run under Triton's interpreter (tests/triton_interpreter.py), so the shapes stay small.
 
-- W8A16 (e4m3 weights, unquantized activations) == ``w8a16_linear_reference`` for M in {1, 3, 16, 17}, odd N,
-  K not a multiple of the K tile, bias or none, the GEMV and tensor-core paths, split K (in-launch reduction:
-  deterministic, counters left zero); ``Fp8Linear`` sends small M to it and larger M to the reference.
+- W8A16 (e4m3 weights, activations quantized per token inside the kernel, the default) ==
+  ``(x_q * x_scale) @ (w_q * w_scale).T`` in fp64 from the fused quantizer's x_q and scales, within fp32
+  summation-order tolerance, for M in {1, 3, 16, 17, 32}, odd N, bias or none, bf16 / fp16 / fp32 activations,
+  the GEMV and tensor-core paths, in-kernel and pre-quantized activations; the in-kernel e4m3 bits == the fused
+  quantizer's (identity weights); split K (in-launch reduction: deterministic, counters left zero); the old
+  unquantized mode == ``w8a16_linear_reference``.
+- Batch invariance: a row through ``Fp8Linear`` alone (GEMV), in 8 or 32 rows (tensor cores) and in 40 rows
+  (the per-token-quantized reference, as _scaled_mm's maths) agrees to fp32 summation order, while the
+  unquantized W8A16 mode misses by far more.
 - The fused FP8 activation quantizer == ``quantize_fp8_rows`` bit for bit (one- and two-pass rows, zero rows,
   subnormal e4m3 results, bf16 / fp16 / fp32 inputs).
 - W4A16's GEMV path (M <= 4 per row tile) and tensor-core path with bias and split K == ``int4_linear_reference``.
@@ -21,6 +27,7 @@ import torch
 
 from specserve.layers.quant_gpu import (
     Fp8Linear,
+    dequantize_fp8_rows,
     fp8_linear_reference,
     int4_linear_reference,
     quantize_fp8_rows,
@@ -70,15 +77,86 @@ GEMV = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=Fal
 DOT = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17])
-@pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, True), (torch.float32, False)])
-def test_w8a16_matches_reference(kernels, m: int, dtype: torch.dtype, bias: bool) -> None:
-    """N = 37: a ragged last N tile; K = 96: three K tiles of 32 (GEMV) / a ragged one of 64 (tensor cores)."""
+def _fp64_reference(
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn, the fused quantizer's
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [1, N] fp32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] fp64
+    out = (x_q.double() @ w_q.double().t()) * x_scale.double() * w_scale.double()
+    return out if bias is None else out + bias.double()
+
+
+def _assert_rounded_from(
+    out: torch.Tensor,  # [M, N] the kernel's output, any float dtype
+    ref: torch.Tensor,  # [M, N] fp64 exact maths
+    rtol: float = 1e-5,
+) -> float:
+    """``out`` is ``ref`` up to fp32 summation order (``rtol`` of each row's largest |output|) and one rounding to
+    ``out.dtype`` (half an ulp). Returns the tolerance's scale (the smallest row bound) for callers' contrasts."""
+    ref, got = ref.cpu(), out.cpu().double()
+    slack = rtol * ref.abs().amax(dim=1, keepdim=True)  # [M, 1]
+    mantissa = torch.finfo(out.dtype).eps  # 2^-mantissa_bits
+    _, exp = torch.frexp((ref.abs() + slack).float())  # |v| < 2^exp
+    half_ulp = torch.ldexp(torch.full_like(ref, mantissa / 2), exp.to(torch.float64) - 1)
+    half_ulp = half_ulp.clamp(min=torch.finfo(out.dtype).smallest_normal * mantissa / 2)
+    err = (got - ref).abs()
+    bound = slack + half_ulp
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g} (err {err.max().item():.3g})"
+    return slack.min().item()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, True), (torch.float16, False), (torch.float32, True)])
+def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: torch.dtype, bias: bool) -> None:
+    """N = 37: a ragged last N tile; K = 96: three K tiles of 32 (GEMV) / a ragged one of 64 (tensor cores). The
+    reference is built from the fused quantizer's e4m3 activations and scales (== ``quantize_fp8_rows``)."""
     w8a16 = kernels[0]
     x, w_q, w_scale, b = _fp8_case(m, 37, 96, dtype, bias, seed=m)
-    ref = w8a16_linear_reference(x, w_q, w_scale, b)
+    x = x * 4  # activations of a hidden state's magnitude
+    x_q, x_scale = w8a16.quantize_fp8_rows_triton(x)
+    ref_q, ref_scale = quantize_fp8_rows(x)
+    assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(x_scale, ref_scale)
+    ref = _fp64_reference(x_q, x_scale, w_q, w_scale, b)
     for cfg in (GEMV, dataclasses.replace(DOT, block_k=64)):
-        _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg), ref)
+        for act_quant in ("per_token", "per_token_prequant"):
+            out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant=act_quant)
+            assert out.dtype == dtype
+            _assert_rounded_from(out, ref)
+    _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=GEMV), fp8_linear_reference(x, w_q, w_scale, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_w8a16_in_kernel_quantization_is_the_fused_quantizers_bits(kernels, dtype: torch.dtype) -> None:
+    """Identity weights (scale 1): each output is one product, ``x_q * x_scale`` exactly, so the kernel's output
+    equals the dequantized fused-quantizer result rounded to the activation dtype, bit for bit: scales from
+    ~1e-3 to ~1e2, an all-zero row, e4m3 subnormals, a row of exactly +-448 multiples."""
+    w8a16 = kernels[0]
+    k = 96
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(17, k, generator=gen) * torch.logspace(-3, 2, 17).unsqueeze(1)
+    x[3] = 0.0
+    x[1, :7] = torch.tensor([1e-4, -3e-4, 2e-3, 448.0, -5.0, 0.0, 7e-3])
+    x = x.to(dtype).to(DEVICE)
+    w_q = torch.eye(k).to(torch.float8_e4m3fn).to(DEVICE)
+    w_scale = torch.ones(1, k, device=DEVICE)
+    expect = dequantize_fp8_rows(*w8a16.quantize_fp8_rows_triton(x)).to(dtype)
+    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), dataclasses.replace(GEMV, split_k=3)):
+        for rows in (1, 3, 17):
+            out = w8a16.w8a16_linear(x[:rows], w_q, w_scale, config=cfg)
+            assert torch.equal(out.cpu(), expect[:rows].cpu()), (cfg, rows)
+
+
+def test_w8a16_unquantized_mode_matches_its_reference(kernels) -> None:
+    w8a16 = kernels[0]
+    for m, dtype in ((1, torch.bfloat16), (17, torch.float32)):
+        x, w_q, w_scale, b = _fp8_case(m, 37, 96, dtype, True, seed=m)
+        ref = w8a16_linear_reference(x, w_q, w_scale, b)
+        for cfg in (GEMV, dataclasses.replace(DOT, block_k=64)):
+            _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant="none"), ref)
+    with pytest.raises(ValueError, match="act_quant"):
+        w8a16.w8a16_linear(x, w_q, w_scale, act_quant="per_tensor")
 
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(GEMV, split_k=3), dataclasses.replace(DOT, split_k=2),
@@ -88,7 +166,7 @@ def test_w8a16_split_k_reduces_in_launch(kernels, cfg: TileConfig) -> None:
     x, w_q, w_scale, b = _fp8_case(3, 37, 160, torch.bfloat16, True, seed=7)
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters)
-    _close(out, w8a16_linear_reference(x, w_q, w_scale, b))
+    _close(out, fp8_linear_reference(x, w_q, w_scale, b))
     assert not counters.any()  # the last program of each tile reset its counter
     again = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters)
     assert torch.equal(again, out)  # partials are added in split order, whatever the arrival order
@@ -98,23 +176,65 @@ def test_w8a16_table_strided_and_empty(kernels) -> None:
     w8a16 = kernels[0]
     x, w_q, w_scale, _ = _fp8_case(2, 24, 64, torch.bfloat16, False)
     wide = torch.cat([x, torch.zeros_like(x)], dim=1)[:, :64]  # row stride 128
-    _close(w8a16.w8a16_linear(wide, w_q, w_scale), w8a16_linear_reference(x, w_q, w_scale, None))
+    for act_quant in ("per_token", "per_token_prequant"):
+        _close(w8a16.w8a16_linear(wide, w_q, w_scale, act_quant=act_quant),
+               fp8_linear_reference(x, w_q, w_scale, None))
     assert w8a16.w8a16_linear(x[:0], w_q, w_scale).shape == (0, 24)
     with pytest.raises(ValueError, match="in_features"):
         w8a16.w8a16_linear(x[:, :32], w_q, w_scale)
 
 
 def test_fp8_linear_uses_the_kernel_for_small_m(kernels) -> None:
-    """``use_triton``: rows up to ``max_triton_rows`` run the W8A16 kernel (activations not quantized), more rows
-    the per-token-quantized maths (here the reference: ``use_scaled_mm=False``)."""
+    """``use_triton``: rows up to ``max_triton_rows`` run the W8A16 kernel (activations quantized per token; in
+    the kernel up to ``W8A16_INKERNEL_QUANT_MAX_ROWS``, else pre-quantized), more rows the same maths through
+    the reference here (``use_scaled_mm=False``)."""
+    from specserve.layers import quant_tiles
     gen = torch.Generator().manual_seed(4)
     w, b = torch.randn(40, 64, generator=gen) / 8, torch.randn(40, generator=gen)
     layer = Fp8Linear.from_float(w, b, use_scaled_mm=False, use_triton=True).to(DEVICE)
     layer.max_triton_rows = 4
     assert layer.split_counters.dtype == torch.int32 and "split_counters" not in layer.state_dict()
     x = torch.randn(6, 64, generator=gen).to(DEVICE)
+    ref = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias)
+    _close(layer(x[:4]), ref[:4])
+    saved = quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS
+    try:
+        quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS = 2
+        _close(layer(x[:4]), ref[:4])
+    finally:
+        quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS = saved
+    torch.testing.assert_close(layer(x), ref)
+    layer.activation_quant = "none"
     _close(layer(x[:4]), w8a16_linear_reference(x[:4], layer.weight, layer.weight_scale, layer.bias))
-    torch.testing.assert_close(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
+    with pytest.raises(ValueError, match="activation_quant"):
+        Fp8Linear(layer.weight, layer.weight_scale, activation_quant="per_tensor")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype) -> None:
+    """Speculative greedy == plain greedy needs a token's logits independent of its step's row count: a row
+    alone (GEMV path), among 8 and 32 rows (tensor-core path, split K) and among 40 rows (above
+    W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation order
+    (rtol 1e-5 of the row's largest output; for bf16 plus one output rounding), and the contrast is real: the
+    unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance."""
+    gen = torch.Generator().manual_seed(21)
+    n, k = 37, 160
+    w, b = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
+    layer = Fp8Linear.from_float(w, b.to(dtype), use_scaled_mm=False, use_triton=True).to(DEVICE)
+    x = (torch.randn(40, k, generator=gen) * 3).to(DEVICE, dtype)
+    batch = layer(x)  # 40 rows: the reference path
+    exact = _fp64_reference(*quantize_fp8_rows(x.cpu()), layer.weight.cpu(), layer.weight_scale.cpu(),
+                            layer.bias.cpu())
+    tol = _assert_rounded_from(batch, exact)
+    for rows in (8, 32):
+        _assert_rounded_from(layer(x[:rows]), exact[:rows])
+    singles = torch.cat([layer(x[i:i + 1]) for i in (0, 5, 39)])
+    _assert_rounded_from(singles, exact[[0, 5, 39]])
+    if dtype == torch.float32:
+        torch.testing.assert_close(singles, batch[[0, 5, 39]], rtol=0, atol=2 * tol)
+    layer.activation_quant = "none"
+    old = torch.cat([layer(x[i:i + 1]) for i in (0, 5, 39)])
+    assert (old.double() - batch[[0, 5, 39]].double()).abs().max().item() > 100 * tol
 
 
 # ---- fused FP8 activation quantizer ---------------------------------------------------------------------------

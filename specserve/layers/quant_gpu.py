@@ -115,10 +115,14 @@ def fp8_linear_scaled_mm(
 ) -> torch.Tensor:  # [num_rows, out_features], x.dtype
     """Tensor-core FP8 GEMM: ``torch._scaled_mm`` with row-wise scales (sm_89+ on CUDA). ``_scaled_mm`` wants the
     second operand column-major, which ``weight.t()`` of a row-major ``[N, K]`` weight is; K and N must be
-    multiples of 16. Row-wise scaling writes bf16, cast to ``x.dtype`` afterwards if that differs."""
+    multiples of 16. Row-wise scaling writes bf16, cast to ``x.dtype`` afterwards if that differs.
+    ``use_fast_accum=False``: Hopper's FP8 MMA keeps only part of the fp32 accumulator's mantissa unless the
+    partial sums are promoted periodically (DeepSeek-V3, arXiv 2412.19437, section 3.3.2); without that promotion
+    this path would round differently from the W8A16 kernel beyond summation order, and a verify step (many
+    rows) would score tokens differently from a decode step (few rows)."""
     x_q, x_scale = quantize_fp8_activations(x)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16,
-                           use_fast_accum=True)
+                           use_fast_accum=False)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.to(x.dtype)

@@ -97,7 +97,10 @@ W8A16_MAX_ROWS = 32
 # quantizer runs first and the kernel reads e4m3 activations (one more launch, but each program of a split-K
 # launch no longer re-reads all of x for the amax). Both give the same bits. Re-time with quant_gemm_gpu.py
 # (methods w8a16 vs w8a16_prequant).
-W8A16_INKERNEL_QUANT_MAX_ROWS = 32
+# Measured on the H200 (benchmarks/results/quant_gemm_gpu_nosweep.json): quantizing inside the kernel re-reads x
+# for the amax in every program and was slower at every M (m=1 forward projections 4.04 ms vs 2.94 ms with the
+# fused quantizer first; m=8: 12.4 vs 3.3), so the fused quantizer always runs first.
+W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 W8A16_TILES = TileTable(
     by_rows={
         1: TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),

@@ -8,8 +8,9 @@ sync). The product ``(x_q * s_x) @ (w_q * s_w).T = s_x * (x_q @ w_q.T) * s_w`` r
 ``torch._scaled_mm`` with row-wise scales (``[M, 1]`` and ``[1, N]``), accumulating in fp32 and writing bf16;
 on CUDA one Triton kernel quantizes the activations (``layers/triton_w8a16.py``). At decode sizes (M up to
 ``quant_tiles.W8A16_MAX_ROWS``) the GEMM is a weight-bandwidth-bound GEMV: there a Triton W8A16 kernel reads
-the e4m3 weights once and quantizes the activations per token itself, with the same operations as the fused
-quantizer (the same e4m3 bits and scales), so every row count computes ``fp8_linear_reference``'s maths: a
+the e4m3 weights once and takes the same per-token e4m3 activations (from the fused quantizer; the kernel can
+also quantize them itself, bit for bit the same, but that measured slower on an H200:
+``quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS``), so every row count computes ``fp8_linear_reference``'s maths: a
 token's output does not depend on how many rows share its step (decode at batch b vs a speculative verify of
 b x (k + 1) rows) beyond fp32 summation order. (``activation_quant="none"`` keeps the older unquantized-activation
 W8A16 maths, ``w8a16_linear_reference``, whose small-M results differ from the _scaled_mm path's.)

@@ -2,7 +2,9 @@
 2209.05433; formats and the plain-torch maths in ``layers/quant_gpu.py``):
 
 1. ``w8a16_linear``: ``out = (x_q @ w_q.T) * x_scale * w_scale (+ bias)`` with e4m3 weights ``[N, K]``
-   (row-major, one fp32 scale per output channel) and activations quantized per token *inside the kernel*:
+   (row-major, one fp32 scale per output channel) and activations quantized per token, by default by the fused
+   quantizer (2. below) before the launch (``act_quant="per_token_prequant"``; on an H200 that beat quantizing
+   inside the kernel at every row count, ``quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS``), or inside the kernel:
    ``x_scale = max(amax(|x|) / 448, 1e-12)``, ``x_q = e4m3(clamp(x / x_scale, -448, 448))`` with IEEE division
    and round-to-nearest-even, the very operations of the fused quantizer (2. below; shared ``@triton.jit``
    helpers, the same ``cvt.rn.satfinite.e4m3x2.f32``), so ``x_q`` and ``x_scale`` are bit for bit what the
@@ -36,8 +38,8 @@ In-kernel activation quantization: before its main loop, each program reads all 
 once (from L2: x is tiny next to the weights) for the row amax, hence the scale; the main loop then quantizes
 each activation chunk in registers (``x / scale`` -> e4m3 -> fp32 for the GEMV's FMAs, fp16 for the MMA) and the
 epilogue multiplies the fp32 sums by ``x_scale`` and ``w_scale``. With split K every split program does the
-full-K amax pass (the scale must be known before the first chunk), which is why large M can take the
-pre-quantized mode instead (``quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS``).
+full-K amax pass (the scale must be known before the first chunk): measured slower than the pre-quantized mode
+at every M (``benchmarks/results/quant_gemm_gpu_nosweep.json``), which is therefore the default.
 
 With few output tiles, K can be split (``split_k``) and the partial sums are reduced inside the same launch
 (``layers/triton_splitk.py``): no zeroing kernel, no separate reduction kernel, deterministic.

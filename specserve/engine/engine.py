@@ -281,7 +281,8 @@ class LLMEngine:
         if self.metrics is not None:
             self.metrics.record_request(self._request_stats(req))
         return RequestOutput(req.request_id, emitted, self._take_text(req), True, req.finish_reason,
-                             req.num_prompt_tokens, len(req.output_ids), req.spec.method, req.spec_counters)
+                             req.num_prompt_tokens, len(req.output_ids), req.spec.method, req.spec_counters,
+                             req.spec.num_spec_tokens if req.spec.enabled else 0)
 
     @staticmethod
     def _request_stats(req: Request) -> RequestStats:

@@ -38,6 +38,7 @@ class RequestOutput:
     num_output_tokens: int  # cumulative
     spec_method: str = "none"  # the request's speculative method ("none" = off)
     spec_counters: SpecCounters | None = None  # set on the final output of a request
+    num_spec_tokens: int = 0  # drafts per step the request asked for (its speculation's k; 0 = off)
 
 
 @dataclass

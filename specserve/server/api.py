@@ -309,7 +309,8 @@ class _Final:
         self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
         self.finish_reason = out.finish_reason
         if out.finished:
-            self.speculative = SpeculativeUsage.from_counters(out.spec_method, out.spec_counters)
+            self.speculative = SpeculativeUsage.from_counters(out.spec_method, out.spec_counters,
+                                                              out.num_spec_tokens)
 
     def usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,

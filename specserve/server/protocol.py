@@ -324,11 +324,14 @@ def parse_request(model: type[_SamplingRequest], body: bytes) -> Any:
 
 
 class SpeculativeUsage(BaseModel):
-    """How one request's speculation went (vocabulary of ``spec/params.py``): ``num_drafts`` verified drafts of
-    ``draft_tokens`` tokens in all, ``accepted_tokens`` of them kept; ``acceptance_histogram[n]`` counts drafts
-    with exactly n tokens accepted, ``accepted_per_position[i]`` drafts whose token i was accepted."""
+    """How one request's speculation went (vocabulary of ``spec/params.py``): ``method`` proposing up to
+    ``num_spec_tokens`` tokens a step (a draft can be shorter near ``max_tokens`` or the context limit, or when
+    the proposer finds nothing); ``num_drafts`` verified drafts of ``draft_tokens`` tokens in all,
+    ``accepted_tokens`` of them kept; ``acceptance_histogram[n]`` counts drafts with exactly n tokens accepted,
+    ``accepted_per_position[i]`` drafts whose token i was accepted."""
 
     method: str
+    num_spec_tokens: int
     draft_tokens: int
     accepted_tokens: int
     num_drafts: int
@@ -338,11 +341,13 @@ class SpeculativeUsage(BaseModel):
     accepted_per_position: list[int]
 
     @classmethod
-    def from_counters(cls, method: str, counters: SpecCounters | None) -> SpeculativeUsage | None:
-        """The usage of a request that speculated with ``method``; None when it did not."""
+    def from_counters(cls, method: str, counters: SpecCounters | None,
+                      num_spec_tokens: int) -> SpeculativeUsage | None:
+        """The usage of a request that speculated with ``method``, ``num_spec_tokens`` a step; None when it did
+        not."""
         if method == "none" or counters is None:
             return None
-        return cls(method=method, draft_tokens=counters.num_draft_tokens,
+        return cls(method=method, num_spec_tokens=num_spec_tokens, draft_tokens=counters.num_draft_tokens,
                    accepted_tokens=counters.num_accepted_tokens, num_drafts=counters.num_drafts,
                    acceptance_rate=counters.acceptance_rate,
                    mean_acceptance_length=counters.mean_acceptance_length,

@@ -43,6 +43,7 @@ class RequestOutput:
     num_output_tokens: int
     spec_method: str = "none"
     spec_counters: SpecCounters | None = None
+    num_spec_tokens: int = 0
 
 
 class FakeTokenizer:
@@ -162,7 +163,7 @@ class FakeAsyncEngine:
                 if request_id in self._aborting:
                     finish_reason = "abort"
                     yield RequestOutput(request_id, [], "", True, "abort", len(prompt_ids), len(out_ids),
-                                        spec.method, counters)
+                                        spec.method, counters, spec.num_spec_tokens if spec.enabled else 0)
                     return
                 new_ids: list[int] = []
                 max_new = 1 + min(step % 3, spec.num_spec_tokens) if spec.enabled else 1 + step % 3
@@ -196,7 +197,8 @@ class FakeAsyncEngine:
                 end = len(text) if finish_reason else max(emitted_chars, len(text) - hold_back)
                 delta, emitted_chars = text[emitted_chars:end], end
                 yield RequestOutput(request_id, new_ids, delta, finish_reason is not None, finish_reason,
-                                    len(prompt_ids), len(out_ids), spec.method, counters)
+                                    len(prompt_ids), len(out_ids), spec.method, counters,
+                                    spec.num_spec_tokens if spec.enabled else 0)
         finally:
             if finish_reason in (None, "abort"):
                 self.num_aborted += 1

@@ -133,6 +133,8 @@ def test_speculative_field_accepted(server: LiveServer) -> None:
         assert resp.choices[0].text is not None
         usage = resp.usage.model_dump()
         assert (usage.get("speculative") is not None) == speculates, (spec, usage)
+        if isinstance(spec, dict) and "num_spec_tokens" in spec and speculates:
+            assert usage["speculative"]["num_spec_tokens"] == spec["num_spec_tokens"], usage
 
 
 # -------------------------------------------------------------------------------------------- streaming

@@ -48,6 +48,7 @@ def spec_usage(usage: Any) -> dict[str, Any] | None:
 def check_spec_usage(spec: dict[str, Any] | None, num_spec_tokens: int) -> None:
     assert spec is not None
     assert spec["method"] == "ngram"
+    assert spec["num_spec_tokens"] == num_spec_tokens
     drafts, drafted, accepted = spec["num_drafts"], spec["draft_tokens"], spec["accepted_tokens"]
     assert drafts > 0 and 0 < drafted <= num_spec_tokens * drafts and 0 <= accepted <= drafted
     assert spec["acceptance_rate"] == pytest.approx(accepted / drafted)

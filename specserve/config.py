@@ -223,6 +223,10 @@ class TrainDraftConfig:
     eval_every: int = 0  # steps between held-out estimates; the best head (estimated AL) is kept. 0: off
     eval_samples: int = 256  # held-out samples used by those estimates
     max_train_seconds: float = 0.0  # 0: run every epoch; else fit the step count (and LR schedule) to this
+    # > 0: the LR schedule spans exactly this many steps whatever the time budget; a call that runs out of
+    # max_train_seconds stops early and checkpoints, and a later call on the same output directory resumes the
+    # same schedule (training longer than one time-limited job). 0: steps from epochs / the time budget.
+    total_steps: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -234,6 +238,7 @@ class TrainDraftConfig:
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
         _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
+        _require(self.total_steps >= 0, "total_steps", "must be >= 0 (0: from epochs or the time budget)")
         _require(self.num_spec_tokens >= 1, "num_spec_tokens", "must be at least 1")
         _require(self.max_seq_len >= 4 and self.max_batch_tokens >= self.max_seq_len, "max_batch_tokens",
                  "must be at least max_seq_len (>= 4)")

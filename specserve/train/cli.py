@@ -12,7 +12,7 @@ _FLAGS = ("method", "num_layers", "draft_vocab_size", "max_new_tokens", "max_tur
           "sampling_temperature", "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len",
           "max_batch_tokens", "ttt_steps", "ttt_anchors", "num_spec_tokens", "anchors_per_seq", "anchor_chunk",
           "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
-          "max_generate_seconds", "max_train_seconds", "seed")
+          "max_generate_seconds", "max_train_seconds", "total_steps", "seed")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

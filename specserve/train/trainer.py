@@ -353,15 +353,21 @@ class Trainer:
             merged.loss = float(sum(losses))
             return losses, merged
 
-    def fit(self, samples: list[Sample], held_out: list[Sample] | None = None) -> list[dict]:
+    def fit(self, samples: list[Sample], held_out: list[Sample] | None = None,
+            stop_after: int | None = None) -> list[dict]:
         """Train until the planned steps (or the time budget) run out. With ``held_out`` and ``cfg.eval_every``,
         every ``eval_every`` steps (and at the end) estimates the held-out AL on ``cfg.eval_samples`` samples and
-        keeps the best head: small data sets are memorised long before the budget ends."""
+        keeps the best head: small data sets are memorised long before the budget ends.
+
+        With ``cfg.total_steps`` the LR schedule spans that many steps; this call stops early when
+        ``cfg.max_train_seconds`` would be exceeded or at step ``stop_after``, checkpointing the last step (not the
+        kept best head), so that a later ``fit`` on the same output directory continues the same run: two calls
+        of 3 + 3 steps train exactly what one call of 6 does."""
         cfg = self.cfg
         probe = (held_out or [])[:cfg.eval_samples] if cfg.eval_every else []
         best: tuple[float, int, dict] | None = None
         batches = make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens, cfg.seed)
-        total = planned = max(1, int(cfg.epochs * len(batches)))
+        total = planned = cfg.total_steps or max(1, int(cfg.epochs * len(batches)))
         self._maybe_resume()
         started, start_step = time.perf_counter(), self.step
         bar = tqdm(total=total, initial=self.step, desc=f"train {cfg.method}", unit="step", file=sys.stderr,
@@ -369,7 +375,7 @@ class Trainer:
         log: list[dict] = []
         correct = count = None
         order_epoch, order = 0, batches
-        while self.step < total:
+        while self.step < total and (stop_after is None or self.step < stop_after):
             epoch, idx = divmod(self.step, len(batches))
             if epoch != order_epoch:  # a new shuffle each epoch (the same one after a resume)
                 order_epoch, order = epoch, make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens,
@@ -385,11 +391,16 @@ class Trainer:
             done = self.step - start_step
             if cfg.max_train_seconds and done == 5:
                 warm = time.perf_counter()  # the first steps pay for allocation and kernel selection
-            if cfg.max_train_seconds and done > 5:  # fit the step count (and the LR schedule) to the budget
+            out_of_time = False
+            if cfg.max_train_seconds and done > 5:
                 now = time.perf_counter()
                 per_step = (now - warm) / (done - 5)
-                total = min(planned, self.step + max(0, int((cfg.max_train_seconds - (now - started)) / per_step)))
-                bar.total = total
+                if cfg.total_steps:  # a fixed schedule: stop this call before the budget runs out
+                    out_of_time = (now - started) + per_step > cfg.max_train_seconds
+                else:  # fit the step count (and the LR schedule) to the budget
+                    total = min(planned, self.step + max(0, int((cfg.max_train_seconds - (now - started))
+                                                                / per_step)))
+                    bar.total = total
             correct = stats.correct if correct is None else [0.98 * a + b for a, b in zip(correct, stats.correct)]
             count = stats.count if count is None else [0.98 * a + b for a, b in zip(count, stats.count)]
             acc = [c / max(n, 1) for c, n in zip(correct, count)]
@@ -397,7 +408,8 @@ class Trainer:
             bar.update(1)
             if self.step % 50 == 0 or self.step == total:
                 log.append({"step": self.step, "loss": stats.loss, "acc_per_pos": acc})
-            if probe and (self.step % cfg.eval_every == 0 or self.step == total):
+            last = self.step == total or out_of_time or self.step == stop_after
+            if probe and (self.step % cfg.eval_every == 0 or last):
                 est = self.evaluate(probe)["estimated_al"]
                 score = est[min(5 if cfg.method == "eagle3" else cfg.num_spec_tokens, max(est))]
                 log.append({"step": self.step, "held_out_estimated_al": est})
@@ -405,13 +417,15 @@ class Trainer:
                     best = (score, self.step, {k: v.detach().clone() for k, v in self.head_state().items()})
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
+            if out_of_time:
+                break
         bar.close()
+        self.save_checkpoint()  # the last step's state: what a resumed run continues from
         if best is not None:
             self.best_step = best[1]
             if best[1] != self.step:
                 self.head.load_state_dict(best[2], strict=False)
                 log.append({"step": self.step, "kept_step": best[1], "held_out_score": best[0]})
-        self.save_checkpoint()
         return log
 
     @torch.no_grad()

@@ -19,7 +19,7 @@ from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, la
 from specserve.train.data import conversation_from_record, read_conversations, split_held_out
 from specserve.train.generate import Sample, load_samples, save_samples
 from specserve.train.pipeline import export_head
-from specserve.train.trainer import Trainer, _shift, collate, target_outputs
+from specserve.train.trainer import Trainer, _lr_at, _shift, collate, target_outputs
 from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, token_counts
 from tests.tiny import prompts, tiny_engine
 
@@ -262,6 +262,26 @@ def test_fit_resumes_from_its_checkpoint(tmp_path) -> None:
     assert set(report["estimated_al"]) == {1, 2, 3}
     als = list(report["estimated_al"].values())
     assert all(1.0 <= a <= 1 + k for k, a in zip((1, 2, 3), als)) and als == sorted(als)
+
+
+def test_a_fixed_schedule_resumed_across_calls_trains_what_one_call_does(tmp_path) -> None:
+    # total_steps fixes the LR schedule: 3 steps, a new Trainer on the same directory, 3 more steps must give the
+    # very head (and step) one uninterrupted 6-step run gives (batches, anchors' RNG, Adam state, LR all resume).
+    samples = None
+    heads = {}
+    for name, stops in (("split", (3, None)), ("whole", (None,))):
+        for stop in stops:
+            trainer, engine = tiny_trainer("eagle3", tmp_path / name, total_steps=6, checkpoint_every=100,
+                                           warmup_steps=2)
+            samples = samples or greedy_samples(engine, 6)
+            trainer.fit(samples, stop_after=stop)
+            assert trainer.step == (stop or 6)
+        heads[name] = trainer.head_state()
+    assert heads["split"].keys() == heads["whole"].keys()
+    for key in heads["whole"]:
+        assert torch.equal(heads["split"][key], heads["whole"][key]), key
+    first, _ = tiny_trainer("eagle3", tmp_path / "lr", total_steps=6, warmup_steps=2)
+    assert _lr_at(3, 6, first.cfg) > _lr_at(5, 6, first.cfg) > 0  # the schedule still had to decay after step 3
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

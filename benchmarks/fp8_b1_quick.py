@@ -2,11 +2,18 @@
 ``quantized`` section of ``gpu_engine.py`` (same helpers, same definitions) for bf16 and fp8 only, when there
 is not enough device time for the whole script. GPU machine, not CI.
 
-    python benchmarks/fp8_b1_quick.py        # writes $OUT/fp8_b1.json
+    python benchmarks/fp8_b1_quick.py                    # writes $OUT/fp8_b1.json
+    python benchmarks/fp8_b1_quick.py --fuse-act-quant   # fp8 twice: quantizer launched alone, then fused
+
+``--fuse-act-quant`` times fp8 a second time with ``quant_tiles.FUSE_FP8_ACT_QUANT`` on (the norms and
+silu_and_mul emit the e4m3 activations of qkv / gate_up / down themselves: 3 launches fewer per layer, the same
+bits; ``models/llama.py``), as method ``fp8_fused``, and first checks on this GPU that the fused ops' e4m3 rows
+and scales equal the unfused op followed by the fused quantizer, bit for bit (``fused_bitwise``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,30 +25,78 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.layers import quant_tiles  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
 
+def fused_bitwise(config, device: torch.device, dtype: torch.dtype) -> dict:
+    """On this GPU: each fused FP8 op's (e4m3 row, scale) == (the unfused op, then the fused quantizer), bit for
+    bit, and its 16-bit output / residual unchanged, at the model's widths and a few row counts."""
+    from specserve.layers.triton_ops import TritonOps
+    from specserve.layers.triton_w8a16 import quantize_fp8_rows_triton
+    ops, gen = TritonOps(), torch.Generator(device=device).manual_seed(0)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    result = {}
+    for rows in (1, 7, 33):
+        x = (torch.randn(rows, hidden, generator=gen, device=device) * 3).to(dtype)
+        res = (torch.randn(rows, hidden, generator=gen, device=device) * 5).to(dtype)
+        w = torch.randn(hidden, generator=gen, device=device).to(dtype)
+        gate_up = (torch.randn(rows, 2 * inter, generator=gen, device=device) * 3).to(dtype)
+        res_fused = res.clone()
+        cases = {
+            "rms_norm": (ops.rms_norm(x, w, 1e-5), ops.rms_norm_fp8(x, w, 1e-5, write_out=True)),
+            "fused_add_rms_norm": (ops.fused_add_rms_norm(x, res, w, 1e-5),
+                                   ops.fused_add_rms_norm_fp8(x, res_fused, w, 1e-5, write_out=True)),
+            "silu_and_mul": (ops.silu_and_mul(gate_up), ops.silu_and_mul_fp8(gate_up, write_out=True)),
+        }
+        for name, (out, acts) in cases.items():
+            x_q, scale = quantize_fp8_rows_triton(out)
+            ok = (torch.equal(acts.x, out) and torch.equal(acts.scale, scale)
+                  and torch.equal(acts.x_q.view(torch.uint8), x_q.view(torch.uint8)))
+            if name == "fused_add_rms_norm":
+                ok = ok and torch.equal(res, res_fused)
+            result[f"{name}_m{rows}"] = ok
+    return result
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fuse-act-quant", action="store_true",
+                    help="also time fp8 with quant_tiles.FUSE_FP8_ACT_QUANT on (method fp8_fused)")
+    args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config("llama-3.1-8b")
     out_path = Path(os.environ.get("OUT", "benchmarks/results")) / "fp8_b1.json"
     out: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
                  "by_method": {}}
-    for method in ("bf16", "fp8"):
+    methods = ["bf16", "fp8"]
+    if args.fuse_act_quant:
+        out["fused_bitwise"] = fused_bitwise(config, device, dtype)
+        print("fused_bitwise", out["fused_bitwise"], flush=True)
+        methods.append("fp8_fused")
+    for method in methods:
         t0 = time.perf_counter()
+        quant_tiles.FUSE_FP8_ACT_QUANT = method == "fp8_fused"  # read at every layer call (models/llama.py)
         model = ge.dummy_model(config, 1024, dtype, device)
         if method != "bf16":
-            ge.quantize_model(model, method)
+            ge.quantize_model(model, "fp8")
             ge.free(device)
         engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
         r = ge.time_decode_steps(engine, device, 1, 512, 20)
         out["by_method"][method] = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
+        out["by_method"][method]["fuse_fp8_act_quant"] = quant_tiles.FUSE_FP8_ACT_QUANT
         print(method, r["median_step_s"], r["graph_replay_s"], f"{time.perf_counter() - t0:.1f} s", flush=True)
         del engine, model
         ge.free(device)
+    quant_tiles.FUSE_FP8_ACT_QUANT = False
     steps = out["by_method"]
     out["fp8_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8"]["median_step_s"]
     print("fp8_speedup_b1", out["fp8_speedup_b1"])
+    if "fp8_fused" in steps:
+        out["fp8_fused_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8_fused"]["median_step_s"]
+        out["fused_vs_unfused_step"] = steps["fp8"]["median_step_s"] / steps["fp8_fused"]["median_step_s"]
+        print("fp8_fused_speedup_b1", out["fp8_fused_speedup_b1"], "fused_vs_unfused_step",
+              out["fused_vs_unfused_step"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     return 0

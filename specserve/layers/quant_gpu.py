@@ -37,6 +37,8 @@ fp32. Decoding is bound by weight bytes, so 4-bit weights read ~4x fewer bytes t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -76,6 +78,24 @@ def quantize_fp8_activations(
     return quantize_fp8_rows(x)
 
 
+@dataclass(frozen=True)
+class Fp8Activations:
+    """Activations already quantized per token, as ``quantize_fp8_rows`` would quantize the 16-bit tensor
+    ``x``: produced by the Triton ops that fuse the quantizer into the op that computes ``x``
+    (``TritonOps.rms_norm_fp8`` / ``fused_add_rms_norm_fp8`` / ``silu_and_mul_fp8``), taken by
+    ``Fp8Linear.forward`` in place of ``x`` (it then skips its own quantizer: the same e4m3 bits and scales,
+    so the same output). ``x`` itself is kept only when the producer was asked to write it."""
+
+    x_q: torch.Tensor  # [num_rows, num_cols] float8_e4m3fn
+    scale: torch.Tensor  # [num_rows, 1] float32
+    dtype: torch.dtype  # the activation dtype the projection's output takes (x's)
+    x: torch.Tensor | None = None  # [num_rows, num_cols] the 16-bit activations, when written
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x_q.shape
+
+
 def w8a16_linear_reference(
     x: torch.Tensor,  # [num_rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
@@ -101,11 +121,23 @@ def fp8_linear_reference(
     default, ``act_quant="per_token"``, and _scaled_mm's): per-token activation quantization
     (``quantize_fp8_rows``), exact fp32 products of e4m3 values summed in fp32, then ``* x_scale * weight_scale``
     and the bias. Implementations differ from it (and from each other) only in summation order."""
-    x_q, x_scale = quantize_fp8_rows(x)
+    return fp8_linear_reference_quantized(*quantize_fp8_rows(x), weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_reference_quantized(
+    x_q: torch.Tensor,  # [num_rows, in_features] float8_e4m3fn
+    x_scale: torch.Tensor,  # [num_rows, 1] float32
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] float32
+    bias: torch.Tensor | None,  # [out_features]
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_rows, out_features], dtype
+    """``fp8_linear_reference`` after its quantizer: activations already per-token e4m3 (``quantize_fp8_rows``'
+    output, or an ``Fp8Activations``' fields, the same bits), dequantized exactly."""
     out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def fp8_linear_scaled_mm(
@@ -121,12 +153,23 @@ def fp8_linear_scaled_mm(
     partial sums are promoted periodically (DeepSeek-V3, arXiv 2412.19437, section 3.3.2); without that promotion
     this path would round differently from the W8A16 kernel beyond summation order, and a verify step (many
     rows) would score tokens differently from a decode step (few rows)."""
-    x_q, x_scale = quantize_fp8_activations(x)
+    return fp8_linear_scaled_mm_quantized(*quantize_fp8_activations(x), weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_scaled_mm_quantized(
+    x_q: torch.Tensor,  # [num_rows, in_features] float8_e4m3fn
+    x_scale: torch.Tensor,  # [num_rows, 1] float32
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [1, out_features] float32
+    bias: torch.Tensor | None,  # [out_features]
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_rows, out_features], dtype
+    """``fp8_linear_scaled_mm`` after its quantizer (activations already per-token e4m3)."""
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16,
                            use_fast_accum=False)
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -168,8 +211,10 @@ class Fp8Linear(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_rows, in_features]
+        x: torch.Tensor | Fp8Activations,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
+        if isinstance(x, Fp8Activations):
+            return self._forward_quantized(x)
         triton_ok = self.use_triton if self.use_triton is not None else x.is_cuda
         max_rows = quant_tiles.W8A16_MAX_ROWS if self.max_triton_rows is None else self.max_triton_rows
         if triton_ok and x.shape[0] <= max_rows:
@@ -182,6 +227,29 @@ class Fp8Linear(nn.Module):
         use = self.use_scaled_mm if self.use_scaled_mm is not None else x.device.type != "cpu"
         fn = fp8_linear_scaled_mm if use else fp8_linear_reference
         return fn(x, self.weight, self.weight_scale, self.bias)
+
+    def _forward_quantized(
+        self,
+        x: Fp8Activations,  # x_q [num_rows, in_features] e4m3, scale [num_rows, 1]
+    ) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+        """``forward`` for activations a producer op already quantized (the fused quantizer's bits): the same
+        paths with the quantizer skipped, so the same output as ``forward(x.x)``. In mode "none" (the kernel
+        multiplies unquantized activations) the 16-bit ``x.x`` is required and used instead."""
+        if self.activation_quant != "per_token":
+            if x.x is None:
+                raise ValueError("Fp8Activations without its 16-bit x: activation_quant='none' needs them")
+            return self.forward(x.x)
+        x_q, x_scale = x.x_q, x.scale
+        triton_ok = self.use_triton if self.use_triton is not None else x_q.is_cuda
+        max_rows = quant_tiles.W8A16_MAX_ROWS if self.max_triton_rows is None else self.max_triton_rows
+        if triton_ok and x_q.shape[0] <= max_rows:
+            from specserve.layers.triton_w8a16 import w8a16_linear  # Triton is imported on the kernel path only
+            # in-kernel quantization and the pre-quantized mode give the same bits: take the given ones
+            return w8a16_linear(x_q, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
+                                act_quant="per_token_prequant", x_scale=x_scale, out_dtype=x.dtype)
+        use = self.use_scaled_mm if self.use_scaled_mm is not None else x_q.device.type != "cpu"
+        fn = fp8_linear_scaled_mm_quantized if use else fp8_linear_reference_quantized
+        return fn(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-channel"

@@ -40,6 +40,21 @@ couple of ulps:
   ``ex2.approx``-based one): fp32 results agree to a few ulps (more for large negative gates on GPU, where
   the exp's argument rounding shows), 16-bit ones within two ulps (bitwise in the interpreter's bf16 tests).
 
+FP8 activations, opt-in (``rms_norm_fp8``, ``fused_add_rms_norm_fp8``, ``silu_and_mul_fp8``; wired into the
+Llama layers by ``quant_tiles.FUSE_FP8_ACT_QUANT``). An FP8 projection (``quant_gpu.Fp8Linear``, e4m3 as in
+Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433) quantizes its input per token with the
+fused quantizer (``triton_w8a16.quantize_fp8_rows_triton``) before every GEMM: one more launch, and one more
+read of the row, per projection. Three of a layer's four projection inputs come out of the ops above (qkv's
+from the input norm, gate_up's from the post-attention norm, down's from silu_and_mul), which already hold the
+whole row in registers (the norms) or can (silu_and_mul, one program per row in the fused variant), so the
+``_fp8`` variants also emit the e4m3 row and its fp32 scale, in an ``Fp8Activations`` that ``Fp8Linear`` takes
+instead of the 16-bit tensor. Exactness: the variants quantize the op's *rounded* output (its bf16/fp16 value
+converted back to fp32: exact) with the quantizer's own ``@triton.jit`` helpers (``_fp8_scale``: the row amax
+/ 448 with IEEE division, at least 1e-12; ``_fp8_quantize``: IEEE division, clamp to +-448, e4m3 round to
+nearest even), so ``x_q`` and ``scale`` are bit for bit ``quantize_fp8_rows(op(...))`` and the projection's
+output is unchanged. The 16-bit output is written only when asked (``write_out``); ``fused_add_rms_norm_fp8``
+still updates the residual in place.
+
 Layouts the kernels do not take (another dtype, a weight dtype different from the activations', a last
 dimension that is not contiguous (``rms_norm`` copies such rows instead), a ``qk`` whose heads are not
 ``head_dim`` apart, cos/sin of another dtype than ``qk``, hidden sizes past ``MAX_HIDDEN``) fall back to
@@ -55,6 +70,8 @@ import triton
 import triton.language as tl
 
 from specserve.layers.ops import TorchOps
+from specserve.layers.quant_gpu import FP8_DTYPE, Fp8Activations, quantize_fp8_activations
+from specserve.layers.triton_w8a16 import _fp8_quantize, _fp8_scale
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Widest row a norm program holds in registers (a Llama-405B hidden is 16384); wider rows use TorchOps.
@@ -63,6 +80,9 @@ MAX_HIDDEN = 32768
 # head_dim) still gives each program a useful amount of work.
 NORM_TILE = 1024
 SILU_BLOCK = 1024  # output columns per silu_and_mul program
+# silu_and_mul_fp8 (one program per row, for the row's amax): rows up to this many columns stay in registers
+# (Llama-3-8B's 14336 does); wider ones are computed twice, once for the amax and once to quantize.
+SILU_FP8_MAX_BLOCK = 16384
 ROPE_TILE = 2048  # rotated elements per rope program: heads are split into blocks of ROPE_TILE // head_dim
 
 
@@ -83,10 +103,14 @@ def _rms_norm_kernel(
     out_ptr,  # [num_rows, hidden_size] contiguous
     num_rows, hidden_size, stride_x, stride_r,
     eps,
+    q_ptr,  # [num_rows, hidden_size] float8_e4m3fn contiguous: the output quantized per row (QUANT only)
+    scale_ptr,  # [num_rows] fp32 (the [num_rows, 1] scale column) (QUANT only)
     HAS_RESIDUAL: tl.constexpr,
     ROUND_NORMED: tl.constexpr,  # bf16/fp16: round x * rstd to the activation dtype before * weight
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden_size
+    QUANT: tl.constexpr,  # also emit out's e4m3 row and scale (triton_w8a16's fused quantizer's bits)
+    WRITE_OUT: tl.constexpr,  # store the activation-dtype output
 ):
     # One program normalises BLOCK_ROWS whole rows, each held in registers: one read, one write per element.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -107,7 +131,72 @@ def _rms_norm_kernel(
     if ROUND_NORMED:
         normed = normed.to(act).to(tl.float32)
     out = (normed * w[None, :]).to(act)
-    tl.store(out_ptr + rows[:, None] * hidden_size + cols[None, :], out, mask=mask)
+    if WRITE_OUT:
+        tl.store(out_ptr + rows[:, None] * hidden_size + cols[None, :], out, mask=mask)
+    if QUANT:
+        # the rounded output, exactly, in fp32 (padding columns and rows are 0 and leave the amax alone)
+        of = out.to(tl.float32)
+        scale = _fp8_scale(tl.max(tl.abs(of), axis=1))  # [BLOCK_ROWS]
+        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+        tl.store(q_ptr + rows[:, None] * hidden_size + cols[None, :], _fp8_quantize(of, scale[:, None]), mask=mask)
+
+
+@triton.jit
+def _silu_mul(
+    in_row,  # [2 * intermediate_size] one row of gate | up, columns contiguous
+    intermediate_size,
+    cols,  # [BLOCK] output columns (those >= intermediate_size give 0)
+):
+    """silu(gate) * up of ``cols`` in the activation dtype: ``F.silu``'s fp32 maths rounded to the activation
+    dtype, times ``up`` rounded once more (torch's two kernels). Shared by both silu kernels (the same bits)."""
+    mask = cols < intermediate_size
+    gate = tl.load(in_row + cols, mask=mask, other=0.0)
+    up = tl.load(in_row + intermediate_size + cols, mask=mask, other=0.0)
+    act = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(act)  # F.silu: fp32 math, rounded to the activation dtype
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(act)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    gate_up_ptr,  # [num_rows, 2 * intermediate_size], row stride stride_in, columns contiguous
+    out_ptr,  # [num_rows, intermediate_size] contiguous (WRITE_OUT only)
+    q_ptr,  # [num_rows, intermediate_size] float8_e4m3fn contiguous
+    scale_ptr,  # [num_rows] fp32 (the [num_rows, 1] scale column)
+    intermediate_size, stride_in,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK >= intermediate_size: the row stays in registers
+    WRITE_OUT: tl.constexpr,
+):
+    # One program per row: silu_and_mul's output (``_silu_mul``), then the fused quantizer's maths on it. A row
+    # wider than BLOCK is computed twice (amax pass, quantize pass): the same operations, so the same values.
+    row = tl.program_id(0).to(tl.int64)
+    in_row = gate_up_ptr + row * stride_in
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        out = _silu_mul(in_row, intermediate_size, offs)
+        of = out.to(tl.float32)
+        amax = tl.max(tl.abs(of), axis=0)
+        if WRITE_OUT:
+            tl.store(out_ptr + row * intermediate_size + offs, out, mask=offs < intermediate_size)
+    else:
+        running = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, intermediate_size, BLOCK):
+            out = _silu_mul(in_row, intermediate_size, c0 + offs)
+            running = tl.maximum(running, tl.abs(out.to(tl.float32)))
+            if WRITE_OUT:
+                tl.store(out_ptr + row * intermediate_size + c0 + offs, out, mask=c0 + offs < intermediate_size)
+        amax = tl.max(running, axis=0)
+    scale = _fp8_scale(amax)
+    tl.store(scale_ptr + row, scale)
+    q_row = q_ptr + row * intermediate_size
+    if ONE_PASS:
+        tl.store(q_row + offs, _fp8_quantize(of, scale), mask=offs < intermediate_size)
+    else:
+        for c0 in range(0, intermediate_size, BLOCK):
+            of = _silu_mul(in_row, intermediate_size, c0 + offs).to(tl.float32)
+            tl.store(q_row + c0 + offs, _fp8_quantize(of, scale), mask=c0 + offs < intermediate_size)
 
 
 @triton.jit
@@ -120,14 +209,8 @@ def _silu_and_mul_kernel(
     # Program (row, column block): silu(gate) * up for BLOCK columns of one row.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < intermediate_size
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
-    act = gate.dtype
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(act)  # F.silu: fp32 math, rounded to the activation dtype
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(act)
-    tl.store(out_ptr + row * intermediate_size + cols, out, mask=mask)
+    out = _silu_mul(gate_up_ptr + row * stride_in, intermediate_size, cols)
+    tl.store(out_ptr + row * intermediate_size + cols, out, mask=cols < intermediate_size)
 
 
 @triton.jit
@@ -185,19 +268,27 @@ class TritonOps(TorchOps):
         residual: torch.Tensor | None,  # [num_rows, hidden_size], columns contiguous; += x in place
         weight: torch.Tensor,  # [hidden_size]
         eps: float,
-    ) -> torch.Tensor:  # [num_rows, hidden_size] contiguous
+        quant: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([num_rows, hidden_size] e4m3, [num_rows, 1] fp32)
+        write_out: bool = True,
+    ) -> torch.Tensor | None:  # [num_rows, hidden_size] contiguous; None when not write_out
+        """The norm launch; with ``quant`` it also writes the output's per-row e4m3 values and scales there."""
         num_rows, hidden = x.shape
-        out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+        out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device) if write_out else None
         if num_rows == 0 or hidden == 0:
+            if quant is not None:
+                quant[1].fill_(1e-12)  # quantize_fp8_rows' scale of an empty row
             return out
         block = _next_pow2(hidden)
         block_rows = max(1, NORM_TILE // block)
+        out_arg = x if out is None else out  # x: never stored to (WRITE_OUT off)
+        q, scale = (out_arg, out_arg) if quant is None else quant  # out: never touched (QUANT off)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-            x, x if residual is None else residual, weight, out,
+            x, x if residual is None else residual, weight, out_arg,
             num_rows, hidden, x.stride(0), 0 if residual is None else residual.stride(0),
-            eps,
+            eps, q, scale,
             HAS_RESIDUAL=residual is not None, ROUND_NORMED=x.dtype != torch.float32,
-            BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_num_warps(block_rows * block))
+            BLOCK_ROWS=block_rows, BLOCK=block, QUANT=quant is not None, WRITE_OUT=write_out,
+            num_warps=_num_warps(block_rows * block))
         return out
 
     def rms_norm(
@@ -264,3 +355,67 @@ class TritonOps(TorchOps):
             HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=_num_warps(block_h * half_pad),
             enable_fp_fusion=False)
         return qk
+
+    # ---- FP8 activations: the op and the fused quantizer in one launch (see the module docstring) ----------------
+    @staticmethod
+    def _fp8_buffers(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=device),  # [rows, cols] e4m3
+                torch.empty((rows, 1), dtype=torch.float32, device=device))  # [rows, 1] fp32
+
+    @staticmethod
+    def _quantized(out: torch.Tensor, write_out: bool) -> Fp8Activations:
+        """The fallback: the unfused op's ``out [num_rows, num_cols]`` through the fused quantizer (same bits)."""
+        rows = out.reshape(-1, out.shape[-1])
+        x_q, scale = quantize_fp8_activations(rows)
+        return Fp8Activations(x_q, scale, out.dtype, rows if write_out else None)
+
+    def rms_norm_fp8(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+        write_out: bool = False,
+    ) -> Fp8Activations:  # x_q [num_tokens, hidden_size] e4m3, scale [num_tokens, 1]; x only if write_out
+        """``rms_norm`` and the fused FP8 quantizer in one launch: ``x_q, scale`` are bit for bit
+        ``quantize_fp8_rows(self.rms_norm(x, weight, eps))``."""
+        if x.dim() != 2 or not self._norm_ok(x, weight) or not _rows_ok(x):
+            return self._quantized(self.rms_norm(x, weight, eps), write_out)
+        quant = self._fp8_buffers(*x.shape, x.device)
+        return Fp8Activations(*quant, x.dtype, self._launch_norm(x, None, weight, eps, quant, write_out))
+
+    def fused_add_rms_norm_fp8(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor,  # [num_tokens, hidden_size], updated in place: residual += x
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+        write_out: bool = False,
+    ) -> Fp8Activations:  # rms_norm(residual + x) quantized per token; x only if write_out
+        """``fused_add_rms_norm`` (the residual updated in place, bit for bit) and the fused FP8 quantizer in one
+        launch: ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.fused_add_rms_norm(...))``."""
+        if (not self._norm_ok(x, weight) or not _rows_ok(x) or not _rows_ok(residual)
+                or residual.shape != x.shape or residual.dtype != x.dtype):
+            return self._quantized(self.fused_add_rms_norm(x, residual, weight, eps), write_out)
+        quant = self._fp8_buffers(*x.shape, x.device)
+        return Fp8Activations(*quant, x.dtype, self._launch_norm(x, residual, weight, eps, quant, write_out))
+
+    def silu_and_mul_fp8(
+        self,
+        gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate_size]
+        write_out: bool = False,
+    ) -> Fp8Activations:  # x_q [num_tokens, intermediate_size] e4m3, scale [num_tokens, 1]; x only if write_out
+        """``silu_and_mul`` and the fused FP8 quantizer in one launch, one program per row (the amax needs the
+        whole row): ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.silu_and_mul(gate_up))``."""
+        if gate_up.dtype not in KERNEL_DTYPES or not _rows_ok(gate_up) or gate_up.shape[-1] % 2:
+            return self._quantized(self.silu_and_mul(gate_up), write_out)
+        num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        x_q, scale = self._fp8_buffers(num_rows, inter, gate_up.device)
+        out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device) if write_out else None
+        if num_rows == 0 or inter == 0:
+            scale.fill_(1e-12)
+            return Fp8Activations(x_q, scale, gate_up.dtype, out)
+        block = min(_next_pow2(inter), SILU_FP8_MAX_BLOCK)
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            gate_up, gate_up if out is None else out, x_q, scale, inter, gate_up.stride(0),  # never stored to
+            BLOCK=block, ONE_PASS=block >= inter, WRITE_OUT=write_out, num_warps=_num_warps(block))
+        return Fp8Activations(x_q, scale, gate_up.dtype, out)

@@ -250,14 +250,18 @@ def w8a16_linear(
     config: TileConfig | None = None,
     counters: torch.Tensor | None = None,  # [>= grid tiles] int32 zeros, for split-K launches
     act_quant: str = "per_token",
-) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    x_scale: torch.Tensor | None = None,  # [num_rows, 1] fp32: x is already e4m3 (quantize_fp8_rows' bits)
+    out_dtype: torch.dtype | None = None,  # the output dtype (default x.dtype; required with x_scale)
+) -> torch.Tensor:  # [num_rows, out_features], out_dtype
     """``fp8_linear_reference``'s maths in one launch: activations quantized per token inside the kernel
     (``act_quant="per_token"``, the same e4m3 bits as ``quantize_fp8_rows``), fp32 sums, then ``* x_scale *
     weight_scale + bias``. ``"per_token_prequant"``: the same maths with the activations quantized by
     ``quantize_fp8_rows_triton`` first (one more launch, half the activation bytes in the GEMM). ``"none"``:
     activations not quantized (``w8a16_linear_reference``; results then depend on the row count's path).
     ``config`` defaults to ``W8A16_TILES``'s entry for (M, N, K); ``counters`` (see ``split_counters``) to a
-    fresh zeroed buffer when the configuration splits K."""
+    fresh zeroed buffer when the configuration splits K. ``x_scale``: ``x`` is already quantized (e4m3, e.g. by
+    a producer op that fused the quantizer, ``TritonOps.rms_norm_fp8``): the ``"per_token_prequant"`` launch
+    without its quantizer, writing ``out_dtype``."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -265,7 +269,10 @@ def w8a16_linear(
     if act_quant not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant: {act_quant!r} is not one of {sorted(ACT_QUANT_MODES)}")
     x_mode = ACT_QUANT_MODES[act_quant]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if x_scale is not None:
+        if act_quant != "per_token_prequant" or x.dtype != torch.float8_e4m3fn or out_dtype is None:
+            raise ValueError("x_scale: needs act_quant='per_token_prequant', e4m3 x and out_dtype")
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or W8A16_TILES.lookup(m, n, k)
@@ -279,9 +286,10 @@ def w8a16_linear(
         w_scale = w_scale.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 activations: no TF32 rounding (X_MODE 0)
     bf16_x = x.dtype == torch.bfloat16
-    x_scale = w_scale  # unread unless X_MODE 2
-    if x_mode == 2:
-        x, x_scale = quantize_fp8_rows_triton(x)  # [M, K] e4m3, [M, 1] fp32
+    if x_scale is None:
+        x_scale = w_scale  # unread unless X_MODE 2
+        if x_mode == 2:
+            x, x_scale = quantize_fp8_rows_triton(x)  # [M, K] e4m3, [M, 1] fp32
     _w8a16_kernel[(grid_n, grid_m, split)](
         x, weight, w_scale, x_scale, w_scale if bias is None else bias, out,
         out if partial is None else partial, w_scale if counters is None else counters,

@@ -4,6 +4,11 @@ covers Qwen2 (bias on the q/k/v projections) and Qwen3 (per-head RMSNorm on q an
 The model reads a packed ragged batch: ``input_ids`` and ``positions`` are ``[num_tokens]`` over all
 sequences of the step, and attention goes through the backend with the step's metadata. Projections are
 fused at load time (q|k|v into one matrix, gate|up into one) to halve the number of matmul launches.
+
+FP8 projections (``quant_gpu.Fp8Linear``, per-token activations) can take their input already quantized by the
+op that produces it (``TritonOps.rms_norm_fp8`` / ``fused_add_rms_norm_fp8`` / ``silu_and_mul_fp8``: the same
+e4m3 bits as the projection's own quantizer, one launch fewer each) when ``quant_tiles.FUSE_FP8_ACT_QUANT`` is
+on (read at every call) and the layer's ops provide them; otherwise, and with ``TorchOps``, nothing changes.
 """
 
 from __future__ import annotations
@@ -13,12 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.layers import quant_tiles
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import Linear, pack_weight, packed_linear, use_quant_kernel
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
+from specserve.layers.quant_gpu import Fp8Activations, Fp8Linear
 from specserve.layers.rope import RotaryEmbedding
+
+
+def fuse_fp8_input(proj: nn.Module, ops: TorchOps, op_name: str) -> bool:
+    """Whether ``proj``'s input should come from ``ops.<op_name>`` (an ``_fp8`` op: the producer with the
+    per-token FP8 quantizer fused in): the switch ``quant_tiles.FUSE_FP8_ACT_QUANT`` is on, ``proj`` is an
+    ``Fp8Linear`` quantizing activations per token, and ``ops`` has the fused op (``TritonOps``)."""
+    return (quant_tiles.FUSE_FP8_ACT_QUANT and isinstance(proj, Fp8Linear) and proj.activation_quant == "per_token"
+            and hasattr(ops, op_name))
 
 
 class Attention(nn.Module):
@@ -37,7 +52,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden_size]
+        x: torch.Tensor | Fp8Activations,  # [num_tokens, hidden_size] (e4m3 + scales: qkv_proj is an Fp8Linear)
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_tokens, 1, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
@@ -69,9 +84,12 @@ class MLP(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden_size]
+        x: torch.Tensor | Fp8Activations,  # [num_tokens, hidden_size] (e4m3 + scales: gate_up is an Fp8Linear)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        if fuse_fp8_input(self.down_proj, self.ops, "silu_and_mul_fp8"):
+            return self.down_proj(self.ops.silu_and_mul_fp8(gate_up))
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -95,14 +113,21 @@ class DecoderLayer(nn.Module):
         """Pre-norm block with the residual carried separately, so each add fuses into the next norm:
         ``residual += x; h = norm(residual); residual += attn(h); out = mlp(norm(residual))``. The
         additions happen in the same order as ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        ln1, ln2, ops = self.input_layernorm, self.post_attention_layernorm, self.ops
+        # the norms may hand the qkv / gate_up projections their input already FP8-quantized (see fuse_fp8_input)
+        fuse_qkv = fuse_fp8_input(self.self_attn.qkv_proj, ops, "fused_add_rms_norm_fp8")
         if residual is None:
             residual = x
-            h = self.ops.rms_norm(x, ln1.weight, ln1.eps)
+            h = ops.rms_norm_fp8(x, ln1.weight, ln1.eps) if fuse_qkv else ops.rms_norm(x, ln1.weight, ln1.eps)
+        elif fuse_qkv:
+            h = ops.fused_add_rms_norm_fp8(x, residual, ln1.weight, ln1.eps)
         else:
-            h = self.ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+            h = ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
         h = self.self_attn(h, cos_sin, kv_cache, meta, backend)
-        h = self.ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
+        if fuse_fp8_input(self.mlp.gate_up_proj, ops, "fused_add_rms_norm_fp8"):
+            h = ops.fused_add_rms_norm_fp8(h, residual, ln2.weight, ln2.eps)
+        else:
+            h = ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(h), residual
 
 

@@ -26,11 +26,14 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
-from specserve.layers import triton_ops  # noqa: E402
-from tests.triton_interpreter import fix_interpreter, reload_interpreted  # noqa: E402
+from specserve.layers import quant_tiles, triton_ops, triton_splitk, triton_w8a16  # noqa: E402
+from specserve.layers.quant_gpu import Fp8Activations, Fp8Linear, quantize_fp8_rows  # noqa: E402
+from tests.triton_interpreter import fix_interpreter, reload_interpreted_chain  # noqa: E402
 
 if DEVICE.type == "cpu":
-    triton_ops = reload_interpreted(triton_ops, "_rms_norm_kernel")
+    # triton_ops binds the FP8 quantizer's @triton.jit helpers from triton_w8a16: reload them interpreted first
+    _, triton_w8a16, triton_ops = reload_interpreted_chain(
+        (triton_splitk, "splitk_reduce"), (triton_w8a16, "_fp8_scale"), (triton_ops, "_rms_norm_kernel"))
     fix_interpreter()
 TritonOps = triton_ops.TritonOps
 
@@ -305,15 +308,16 @@ def test_cpu_ops_selection_never_imports_triton():
 
 @pytest.mark.slow
 def test_kernels_compile_for_hopper(tmp_path):
-    # The interpreter never lowers the kernels: compile every launch of three model shapes for sm_90 (no GPU needed).
+    # The interpreter never lowers the kernels: compile every launch of three model shapes for sm_90 (no GPU needed),
+    # the fused FP8 quantizer variants included (--fp8).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "TRITON_CACHE_DIR": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_ops_compile_check.py")],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_ops_compile_check.py"),
+                             "--fp8"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "27 kernel variants compiled for sm_90" in result.stdout
+    assert "COMPILED_COUNT kernel variants compiled for sm_90" in result.stdout
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
@@ -349,3 +353,167 @@ def test_ops_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(out + (residual, qkv), eager + eager_state):
         assert torch.equal(a, b)
+
+
+# ---- fused FP8 activation quantizer (rms_norm_fp8, fused_add_rms_norm_fp8, silu_and_mul_fp8) --------------------
+FP8_DTYPES = [torch.bfloat16, torch.float16]
+FP8_ROWS = [1, 7, 33]
+
+
+def assert_quantized_as(acts: Fp8Activations, out: torch.Tensor) -> None:
+    """``acts`` is bit for bit the fused quantizer run on ``out`` (the unfused op's 16-bit output)."""
+    x_q, scale = triton_w8a16.quantize_fp8_rows_triton(out)
+    assert acts.dtype == out.dtype and acts.x_q.dtype == torch.float8_e4m3fn and acts.x_q.shape == out.shape
+    assert acts.scale.dtype == torch.float32 and acts.scale.shape == (out.shape[0], 1)
+    assert torch.equal(acts.scale, scale)
+    assert torch.equal(acts.x_q.view(torch.uint8), x_q.view(torch.uint8))
+    ref_q, ref_scale = quantize_fp8_rows(out.cpu())  # and so the torch reference's (the quantizer is bitwise it)
+    assert torch.equal(acts.scale.cpu(), ref_scale) and torch.equal(acts.x_q.cpu().view(torch.uint8),
+                                                                   ref_q.view(torch.uint8))
+
+
+def _fp8_rows(gen: torch.Generator, rows: int, cols: int, dtype: torch.dtype, extra_cols: int = 0) -> torch.Tensor:
+    """Rows of very different ranges (amax from ~1e-3 to ~1e2), an all-zero first row when there are several."""
+    x = strided_rows(gen, rows, cols, extra_cols, dtype)
+    x.mul_((10.0 ** torch.linspace(-3, 2, rows)).to(dtype).to(DEVICE)[:, None])
+    if rows > 1:
+        x[0] = 0
+    return x
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("rows", FP8_ROWS)
+@pytest.mark.parametrize("hidden", [64, 300, 1024])  # several rows per program, a non-power of two, one row each
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_fp8_norm_is_the_norm_then_the_quantizer(dtype, rows, hidden, residual):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = _fp8_rows(gen, rows, hidden, dtype, extra_cols=3)  # strided rows
+    weight = randn(gen, hidden, dtype=dtype)
+    ops = TritonOps()
+    if residual:
+        res = randn(gen, rows, hidden, dtype=dtype, scale=4.0)
+        res_unfused, res_written = res.clone(), res.clone()
+        out = ops.fused_add_rms_norm(x, res_unfused, weight, 1e-6)
+        acts = ops.fused_add_rms_norm_fp8(x, res, weight, 1e-6)
+        written = ops.fused_add_rms_norm_fp8(x, res_written, weight, 1e-6, write_out=True)
+        assert torch.equal(res, res_unfused) and torch.equal(res_written, res_unfused)  # residual += x, same bits
+    else:
+        out = ops.rms_norm(x, weight, 1e-6)
+        acts = ops.rms_norm_fp8(x, weight, 1e-6)
+        written = ops.rms_norm_fp8(x, weight, 1e-6, write_out=True)
+    assert acts.x is None and torch.equal(written.x, out)  # the 16-bit output only when asked, and unchanged
+    assert_quantized_as(acts, out)
+    assert_quantized_as(written, out)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("rows", FP8_ROWS)
+@pytest.mark.parametrize("intermediate, max_block", [(64, 16384), (300, 16384), (1024, 16384), (300, 128)])
+def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, monkeypatch):
+    monkeypatch.setattr(triton_ops, "SILU_FP8_MAX_BLOCK", max_block)  # 128: three chunks, two passes
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = _fp8_rows(gen, rows, 2 * intermediate, dtype, extra_cols=5)
+    ops = TritonOps()
+    out = ops.silu_and_mul(gate_up)
+    acts = ops.silu_and_mul_fp8(gate_up)
+    written = ops.silu_and_mul_fp8(gate_up, write_out=True)
+    assert acts.x is None and torch.equal(written.x, out)
+    assert_quantized_as(acts, out)
+    assert_quantized_as(written, out)
+
+
+def test_fused_fp8_fallbacks_quantize_the_torch_op():
+    """Layouts the kernels do not take (3-D rows, non-contiguous columns, fp16 weights under bf16 activations)
+    go through the unfused op and the quantizer: still the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    ops, dtype = TritonOps(), torch.bfloat16
+    x3 = randn(gen, 2, 3, 40, dtype=dtype)
+    weight = randn(gen, 40, dtype=dtype)
+    acts = ops.rms_norm_fp8(x3, weight, 1e-6, write_out=True)
+    out = ops.rms_norm(x3, weight, 1e-6).reshape(6, 40)
+    assert torch.equal(acts.x, out)
+    assert_quantized_as(acts, out)
+    x = randn(gen, 5, 40, dtype=dtype)
+    acts = ops.rms_norm_fp8(x, weight.half(), 1e-6)
+    assert_quantized_as(acts, ops.rms_norm(x, weight.half(), 1e-6))
+    gate_up = randn(gen, 80, 5, dtype=dtype).t()  # columns not contiguous
+    assert_quantized_as(ops.silu_and_mul_fp8(gate_up), ops.silu_and_mul(gate_up))
+
+
+def test_fp8_linear_takes_the_fused_quantizers_output():
+    """``Fp8Linear`` given an ``Fp8Activations`` skips its quantizer and returns what it returns for the 16-bit
+    tensor, bit for bit, on the reference path and the W8A16 kernel's (interpreted on CPU; GEMV and tensor-core
+    tiles); in mode "none" it multiplies the 16-bit ``x`` the container carries."""
+    gen = torch.Generator().manual_seed(9)
+    n, k = 48, 96
+    w, b = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
+    for dtype in FP8_DTYPES:
+        for use_triton in (False, True):
+            layer = Fp8Linear.from_float(w, b.to(dtype), use_scaled_mm=False, use_triton=use_triton).to(DEVICE)
+            for m in (1, 8, 40):  # 40 rows: above W8A16_MAX_ROWS, the reference / _scaled_mm path
+                x = randn(gen, m, k, dtype=dtype, scale=3.0)
+                acts = TritonOps().rms_norm_fp8(x, torch.ones(k, dtype=dtype, device=DEVICE), 1e-6, write_out=True)
+                assert torch.equal(layer(acts), layer(acts.x))
+    layer.activation_quant = "none"
+    assert torch.equal(layer(acts), layer(acts.x))
+    with pytest.raises(ValueError, match="16-bit"):
+        layer(Fp8Activations(acts.x_q, acts.scale, acts.dtype))
+
+
+@torch.inference_mode()
+def _tiny_logits(engine, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    hidden, _ = engine.runner.forward(ids, list(range(n)), [n], [n], [list(range(-(-n // 4)))])
+    return engine.runner.model.compute_logits(hidden)  # [n, vocab]
+
+
+class _CountingOps(TritonOps):
+    """TritonOps that counts its fused FP8 calls."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def rms_norm_fp8(self, *args, **kwargs):
+        self._count("rms_norm_fp8")
+        return super().rms_norm_fp8(*args, **kwargs)
+
+    def fused_add_rms_norm_fp8(self, *args, **kwargs):
+        self._count("fused_add_rms_norm_fp8")
+        return super().fused_add_rms_norm_fp8(*args, **kwargs)
+
+    def silu_and_mul_fp8(self, *args, **kwargs):
+        self._count("silu_and_mul_fp8")
+        return super().silu_and_mul_fp8(*args, **kwargs)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_fp8_tiny_model_logits_identical_with_fused_quantizer(use_triton, monkeypatch):
+    """A tiny Llama quantized to FP8 with TritonOps (interpreted on CPU): the same logits, bit for bit, with
+    ``quant_tiles.FUSE_FP8_ACT_QUANT`` on (the norms and silu_and_mul hand the projections e4m3 rows) and off,
+    whether the projections run the reference maths (CPU) or the W8A16 kernel; off calls no fused op, and
+    TorchOps ignores the switch."""
+    from tests.tiny import prompts, tiny_engine
+    ids = prompts([9])[0]
+    engine = tiny_engine(quantization="fp8")
+    model = engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert layers
+    for layer in layers:
+        layer.use_triton = use_triton
+    torch_logits = _tiny_logits(engine, ids)  # TorchOps
+    monkeypatch.setattr(quant_tiles, "FUSE_FP8_ACT_QUANT", True)
+    assert torch.equal(_tiny_logits(engine, ids), torch_logits)  # no fused ops on TorchOps: the switch is inert
+    ops = _CountingOps()
+    model.set_ops(ops)
+    monkeypatch.setattr(quant_tiles, "FUSE_FP8_ACT_QUANT", False)
+    off = _tiny_logits(engine, ids)
+    assert ops.calls == {}
+    monkeypatch.setattr(quant_tiles, "FUSE_FP8_ACT_QUANT", True)
+    on = _tiny_logits(engine, ids)
+    n_layers = len(model.layers)
+    assert ops.calls == {"rms_norm_fp8": 1, "fused_add_rms_norm_fp8": 2 * n_layers - 1,
+                         "silu_and_mul_fp8": n_layers}
+    assert torch.equal(on, off)

@@ -317,7 +317,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_ops_compile_check.py"),
                              "--fp8"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "COMPILED_COUNT kernel variants compiled for sm_90" in result.stdout
+    assert "41 kernel variants compiled for sm_90" in result.stdout
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")

@@ -6,6 +6,9 @@ Shapes (N <- K): qkv 6144 <- 4096, o 4096 <- 4096, gate_up 28672 <- 4096, down 4
 lm_head 128256 <- 4096; rows M in {1, 8, 32} (``--rows``). Methods, per (shape, M):
 
 - ``bf16``: ``F.linear`` on the bf16 weight (cuBLAS);
+- ``bf16_triton``: the Triton 16-bit GEMV (``layers/triton_gemv.py``) on the same bf16 weight with the
+  configuration ``BF16_GEMV_TILES`` picks (what ``Linear`` and the LM head run for M <= ``BF16_GEMV_MAX_ROWS``,
+  off by default); ``bf16_triton_best``: the fastest configuration of ``bf16_gemv_sweep``;
 - ``w8a16``: the Triton W8A16 kernel (``layers/triton_w8a16.py``) with the configuration ``W8A16_TILES`` picks,
   activations quantized per token inside the kernel (what ``Fp8Linear`` runs up to
   ``W8A16_INKERNEL_QUANT_MAX_ROWS``); ``w8a16_prequant``: the fused quantizer, then the kernel on e4m3
@@ -25,7 +28,7 @@ device-to-device copy bandwidth measured here (read + write bytes / time, as gpu
 
 Correctness, in the same run: every method and every swept configuration is checked against its fp32
 reference (dequantized weights; ``fp8_linear_reference`` for the per-token FP8 methods, ``w8a16_linear_reference``
-for ``w8a16_noquant``, ``int4_linear_reference``)
+for ``w8a16_noquant``, ``int4_linear_reference``; fp32 ``x @ W.T`` for ``bf16`` and ``bf16_triton``)
 by ``rel_err`` = ||out - ref|| / ||ref||; the fused quantizer against ``quantize_fp8_rows`` bit for bit. A
 failing configuration is recorded (``errors``) and the run goes on.
 
@@ -33,7 +36,11 @@ What to read: ``summary`` (per shape and M: microseconds and speedup vs bf16 of 
 ``forward_gemm_ms`` (the projections of one 32-layer forward, LM head in bf16, per method) and ``suggested``
 (per row bucket: the sweep configuration with the least total time over the four decoder-layer shapes, as
 ``TileConfig(...)`` lines for ``layers/quant_tiles.py``, and the largest M where the W8A16 kernel beats
-_scaled_mm, for ``W8A16_MAX_ROWS``).
+_scaled_mm, for ``W8A16_MAX_ROWS``; ``bf16_triton`` tiles likewise, ``bf16_triton_lm_head`` per-shape entries for
+the LM head, and ``bf16_gemv_max_rows``: the largest M (every measured M up to it winning) where the Triton GEMV's
+forward projections, 32 layers with the suggested tiles + the LM head, beat ``F.linear``'s, for
+``BF16_GEMV_MAX_ROWS``; 0 / None: keep cuBLAS). Row counts 2 and 4 are not measured by default: add them
+(``--rows 1,2,4,8,32``) to decide the GEMV's buckets.
 
     python benchmarks/quant_gemm_gpu.py --out $OUT/quant_gemm_gpu.json
     python benchmarks/quant_gemm_gpu.py --smoke      # wiring check on CPU (Triton interpreter, tiny shapes)
@@ -99,6 +106,26 @@ def w8a16_sweep(m: int) -> list[TileConfig]:
     if m <= 4:
         return gemv + dot
     return gemv[:1] + dot
+
+
+def bf16_gemv_sweep(m: int) -> list[TileConfig]:
+    """The 16-bit GEMV (``layers/triton_gemv.py``; CUDA cores, one row tile of up to 4 rows): ``block_k`` of 256
+    to 1024 bf16 (512 B to 2 KB per weight row per step), ``block_n`` 8 to 32, split K off / auto, and a
+    pipelined variant (``num_stages`` 2). More than 4 rows: two configurations only (row tiles re-read W)."""
+    if m <= 1:
+        cfgs = [TileConfig(8, 512, 4, 1, use_dot=False), TileConfig(16, 512, 4, 1, use_dot=False),
+                TileConfig(8, 1024, 8, 1, use_dot=False), TileConfig(16, 256, 4, 1, use_dot=False),
+                TileConfig(32, 256, 8, 1, use_dot=False), TileConfig(8, 512, 4, 2, use_dot=False),
+                TileConfig(8, 512, 4, 1, split_k=0, use_dot=False)]
+    elif m <= 2:
+        cfgs = [TileConfig(16, 256, 4, 1, use_dot=False), TileConfig(8, 512, 4, 1, use_dot=False),
+                TileConfig(16, 512, 8, 1, use_dot=False), TileConfig(8, 256, 4, 1, use_dot=False),
+                TileConfig(16, 256, 4, 1, split_k=0, use_dot=False)]
+    else:
+        cfgs = [TileConfig(16, 128, 4, 1, use_dot=False), TileConfig(8, 256, 4, 1, use_dot=False),
+                TileConfig(16, 256, 8, 1, use_dot=False), TileConfig(8, 128, 4, 1, use_dot=False),
+                TileConfig(16, 128, 4, 1, split_k=0, use_dot=False)]
+    return cfgs if m <= 4 else cfgs[:2]
 
 
 def w4a16_sweep(m: int) -> list[TileConfig]:
@@ -272,7 +299,7 @@ def bench_shape(rep: Report, args, name: str, n: int, k: int, device: torch.devi
                        "copies": {kind: len(ctx[kind]) for kind in ("bf16", "fp8", "int4")}}
     rep.data.setdefault("shapes", {})[name] = shape_out
     for m in args.rows:
-        row: dict = {"m": m, "methods": {}, "sweep": {"w8a16": [], "w4a16": []}}
+        row: dict = {"m": m, "methods": {}, "sweep": {"bf16_triton": [], "w8a16": [], "w4a16": []}}
         shape_out["by_rows"][str(m)] = row
         bench_row(rep, args, ctx, row, m, device, dtype)
         rep.write()
@@ -280,14 +307,14 @@ def bench_shape(rep: Report, args, name: str, n: int, k: int, device: torch.devi
 
 def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.device, dtype: torch.dtype) -> None:
     """Every method, then the sweeps, for one (shape, M)."""
-    from specserve.layers import triton_w4a16, triton_w8a16
+    from specserve.layers import triton_gemv, triton_w4a16, triton_w8a16
     from specserve.layers.quant_gpu import (
         fp8_linear_reference,
         int4_linear_reference,
         quantize_fp8_rows,
         w8a16_linear_reference,
     )
-    from specserve.layers.quant_tiles import W4A16_TILES, W8A16_TILES
+    from specserve.layers.quant_tiles import BF16_GEMV_TILES, W4A16_TILES, W8A16_TILES
 
     name, n, k, nbytes, counters = ctx["name"], ctx["n"], ctx["k"], ctx["nbytes"], ctx["counters"]
     bf16_sets, fp8_sets, int4_sets = ctx["bf16"], ctx["fp8"], ctx["int4"]
@@ -324,6 +351,9 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     def w8a16(s, cfg=None, act_quant="per_token"):
         return triton_w8a16.w8a16_linear(x, s[0], s[1], None, config=cfg, counters=counters, act_quant=act_quant)
 
+    def bf16_triton(s, cfg=None):
+        return triton_gemv.gemv_linear(x, s[0], None, config=cfg, counters=counters)
+
     def w4a16(s, cfg=None):
         return triton_w4a16.w4a16_linear(x, *s, None, config=cfg, counters=counters)
 
@@ -334,6 +364,8 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
 
     fused = triton_w8a16.quantize_fp8_rows_triton
     record("bf16", [lambda s=s: F.linear(x, s[0]) for s in bf16_sets], F.linear(x, w), ref_bf16, "bf16", 1e-2)
+    record("bf16_triton", [lambda s=s: bf16_triton(s) for s in bf16_sets], _try(lambda: bf16_triton(bf16_sets[0])),
+           ref_bf16, "bf16", 1e-2, {"config": BF16_GEMV_TILES.lookup(m, n, k).describe()})
     w8_cfg = {"config": W8A16_TILES.lookup(m, n, k).describe()}
     # per-token modes: the reference's maths up to summation order and the bf16 output rounding (the unquantized
     # mode misses it by several percent), hence the tighter tolerance
@@ -363,8 +395,10 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     rep.write()
     if args.no_sweep:
         return
-    for kernel, sweep, sets, kind, ref, call in (("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_fp8, w8a16),
-                                                  ("w4a16", w4a16_sweep(m), int4_sets, "int4", ref_int4, w4a16)):
+    for kernel, sweep, sets, kind, ref, call in (
+            ("bf16_triton", bf16_gemv_sweep(m), bf16_sets, "bf16", ref_bf16, bf16_triton),
+            ("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_fp8, w8a16),
+            ("w4a16", w4a16_sweep(m), int4_sets, "int4", ref_int4, w4a16)):
         for cfg in sweep:
             entry = {"config": cfg.describe(), "fields": dataclasses.asdict(cfg)}
             row["sweep"][kernel].append(entry)
@@ -386,7 +420,7 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
             best = min(good, key=lambda e: e["us"])
             row["methods"][f"{kernel}_best"] = {key: best[key] for key in ("us", "gb_s", "bw_fraction", "rel_err",
                                                                            "config")}
-            print(f"    best {kernel:6s} {best['us']:9.1f} us {best['bw_fraction']:6.1%}  {best['config']}",
+            print(f"    best {kernel:11s} {best['us']:9.1f} us {best['bw_fraction']:6.1%}  {best['config']}",
                   flush=True)
 
 
@@ -423,9 +457,10 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
             summary.setdefault(name, {})[m] = entry
     rep.data["summary"] = summary
     # per row bucket: the sweep configuration with the least summed time over the decoder-layer shapes
-    suggested: dict = {"w8a16": {}, "w4a16": {}, "w8a16_max_rows": None}
+    suggested: dict = {"bf16_triton": {}, "w8a16": {}, "w4a16": {}, "w8a16_max_rows": None,
+                       "bf16_triton_lm_head": {}, "bf16_gemv_max_rows": None}
     layer = [s for s in LAYER_SHAPES if s in shapes_data] or list(shapes_data)
-    for kernel in ("w8a16", "w4a16"):
+    for kernel in ("bf16_triton", "w8a16", "w4a16"):
         for m in rows:
             totals: dict[str, float] = {}
             counts: dict[str, int] = {}
@@ -452,22 +487,48 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
             suggested["w8a16_max_rows"] = m
     suggested["w8a16_vs_scaled_mm_layer_us"] = {m: {"w8a16_best": a, "scaled_mm": round(b, 2)} for m, a, b in wins}
     rep.data["suggested"] = suggested
-    # the projections of one Llama-3.1-8B forward (32 layers; the LM head in bf16, as the engine keeps it)
+
+    def method_us(shape: str, m: int, method: str) -> float | None:
+        return shapes_data.get(shape, {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+            method, {}).get("us")
+
+    # the projections of one Llama-3.1-8B forward (32 layers; the LM head in bf16, as the engine keeps it, except
+    # for the bf16_triton methods, whose routing covers the LM head too)
     estimate: dict = {}
     for m in rows:
         per: dict = {}
-        for method in ("bf16", "w8a16", "w8a16_prequant", "w8a16_noquant", "w8a16_best", "fp8_scaled_mm", "w4a16",
-                       "w4a16_best"):
-            times = [shapes_data.get(s, {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
-                method, {}).get("us") for s in LAYER_SHAPES]
-            head = shapes_data.get("lm_head", {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
-                "bf16", {}).get("us")
+        for method in ("bf16", "bf16_triton", "bf16_triton_best", "w8a16", "w8a16_prequant", "w8a16_noquant",
+                       "w8a16_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
+            times = [method_us(s, m, method) for s in LAYER_SHAPES]
+            head = method_us("lm_head", m, method if method.startswith("bf16_triton") else "bf16")
             if all(t is not None for t in times) and head is not None:
                 per[method] = round((NUM_LAYERS * sum(times) + head) / 1e3, 3)
         if "bf16" in per:
             per["speedup_vs_bf16"] = {k: round(per["bf16"] / v, 3) for k, v in per.items() if k != "bf16"}
         estimate[m] = per
     rep.data["forward_gemm_ms"] = estimate
+    # BF16_GEMV_MAX_ROWS: the Triton GEMV with one configuration per row bucket (the suggested one) on every layer
+    # shape and the LM head's best, against F.linear, per forward; the largest M up to which every measured M wins
+    gemv_vs: dict = {}
+    for m in sorted(rows):
+        layer_us = suggested["bf16_triton"].get(m, {}).get("layer_us")
+        head_best = shapes_data.get("lm_head", {}).get("by_rows", {}).get(str(m), {}).get("methods", {}).get(
+            "bf16_triton_best", {})
+        if head_best.get("config"):
+            suggested["bf16_triton_lm_head"][m] = head_best["config"]
+        head = head_best.get("us") or method_us("lm_head", m, "bf16_triton")
+        if layer_us is None:  # no sweep (--no-sweep): the table's configuration
+            times = [method_us(s, m, "bf16_triton") for s in LAYER_SHAPES]
+            layer_us = sum(times) if all(t is not None for t in times) else None
+        base = estimate.get(m, {}).get("bf16")
+        gemv_ms = round((NUM_LAYERS * layer_us + head) / 1e3, 3) if layer_us is not None and head else None
+        gemv_vs[m] = {"bf16_triton_ms": gemv_ms, "f_linear_ms": base,
+                      "speedup": round(base / gemv_ms, 3) if gemv_ms and base else None}
+    for m, e in gemv_vs.items():
+        if not (e["speedup"] and e["speedup"] > 1.0):
+            break
+        suggested["bf16_gemv_max_rows"] = m
+    suggested["bf16_triton_vs_f_linear_forward"] = gemv_vs
     rep.data["definitions"] = {
         "us": "microseconds per call: CUDA-graph replay of back-to-back calls over rotating weight copies",
         "gb_s": "weight bytes (incl. scales / zeros) per call / time",
@@ -476,13 +537,15 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
         "forward_gemm_ms": f"{NUM_LAYERS} x (qkv + o + gate_up + down) + bf16 lm_head, ms: the projection part "
                            "of one forward of M tokens (compare with gpu_engine.py's decode step)",
         "suggested": "per row bucket, the sweep configuration with the least time summed over qkv, o, gate_up, "
-                     "down (paste into layers/quant_tiles.py); w8a16_max_rows: largest M where it beats _scaled_mm",
+                     "down (paste into layers/quant_tiles.py); w8a16_max_rows: largest M where it beats _scaled_mm; "
+                     "bf16_gemv_max_rows: largest M up to which the Triton bf16 GEMV (suggested tiles, LM head "
+                     "included) beats F.linear per forward at every measured M (BF16_GEMV_MAX_ROWS; None: keep 0)",
     }
 
 
 def print_summary(rep: Report) -> None:
-    methods = ("bf16", "w8a16", "w8a16_prequant", "w8a16_noquant", "w8a16_best", "fp8_scaled_mm",
-               "fp8_scaled_mm_torch_quant", "w4a16", "w4a16_best")
+    methods = ("bf16", "bf16_triton", "bf16_triton_best", "w8a16", "w8a16_prequant", "w8a16_noquant",
+               "w8a16_best", "fp8_scaled_mm", "fp8_scaled_mm_torch_quant", "w4a16", "w4a16_best")
     print("\nus per call (x speedup vs bf16)")
     print(f"{'shape':8s} {'m':>3s} " + " ".join(f"{mth:>22s}" for mth in methods))
     for name, by_m in rep.data.get("summary", {}).items():
@@ -494,11 +557,15 @@ def print_summary(rep: Report) -> None:
             print(f"{name:8s} {m:>3s} " + " ".join(f"{c:>22s}" for c in cells))
     sug = rep.data.get("suggested", {})
     print("\nsuggested tile tables (layers/quant_tiles.py):")
-    for kernel in ("w8a16", "w4a16"):
+    for kernel in ("bf16_triton", "w8a16", "w4a16"):
         for m, e in sug.get(kernel, {}).items():
             print(f"  {kernel} rows<={m}: {e['config']}  # {e['layer_us']} us per layer "
                   f"(per-shape best {e['per_shape_best_us']})")
     print(f"  W8A16_MAX_ROWS: {sug.get('w8a16_max_rows')}  {sug.get('w8a16_vs_scaled_mm_layer_us')}")
+    for m, cfg in sug.get("bf16_triton_lm_head", {}).items():
+        print(f"  bf16_triton lm_head rows<={m}: {cfg}")
+    print(f"  BF16_GEMV_MAX_ROWS: {sug.get('bf16_gemv_max_rows') or 0}  "
+          f"{sug.get('bf16_triton_vs_f_linear_forward')}")
     for m, per in rep.data.get("forward_gemm_ms", {}).items():
         print(f"projections of one forward, m={m}: {per}")
     if rep.data.get("errors"):

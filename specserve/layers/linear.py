@@ -7,7 +7,11 @@ weights in 4 or 8 bits. Decoding steps, which are bound by memory bandwidth on C
 long prefill chunks, which are bound by arithmetic, keep the fp32 GEMM. ``activation_quant`` ("none" | "q8",
 from ``EngineConfig.cpu_activation_quant``) says whether that kernel takes x in float32 or rounded to int8 per
 block of 32 (integer dot products; see ``layers/quant_cpu.py`` for the numerics); with "q8" the kernel takes
-every row count, prefill included."""
+every row count, prefill included.
+
+On CUDA, 16-bit weights can take a Triton GEMV (``layers/triton_gemv.py``) instead of cuBLAS for a few rows:
+``dense_linear`` routes ``0 < M <= quant_tiles.BF16_GEMV_MAX_ROWS`` (read at call time; 0, the default, keeps
+``F.linear`` everywhere). ``Linear.forward`` and the LM head (``LlamaForCausalLM.compute_logits``) call it."""
 
 from __future__ import annotations
 
@@ -15,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import quant_tiles
 from specserve.layers.quant_cpu import quant_linear
+
+# Devices whose 16-bit GEMMs ``dense_linear`` may send to the Triton GEMV (tests add "cpu" to run it interpreted).
+GEMV_DEVICE_TYPES: frozenset[str] = frozenset({"cuda"})
 
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
@@ -36,6 +44,23 @@ def packed_linear(
     bias: torch.Tensor | None,  # [out_features]
 ) -> torch.Tensor:  # [num_rows, out_features]
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def dense_linear(
+    x: torch.Tensor,  # [num_rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [num_rows, out_features]
+    """``F.linear``, or the Triton 16-bit GEMV (``triton_gemv.gemv_linear``: fp32 sums, one rounding) for
+    ``0 < num_rows <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows on a ``GEMV_DEVICE_TYPES`` device when the operands
+    fit it (2D x, contiguous bf16 / fp16 weight of x's dtype). With the default ``BF16_GEMV_MAX_ROWS = 0`` this is
+    exactly ``F.linear``."""
+    max_rows = quant_tiles.BF16_GEMV_MAX_ROWS
+    if max_rows > 0 and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.device.type in GEMV_DEVICE_TYPES:
+        from specserve.layers import triton_gemv  # lazily: Triton only where it runs
+        if triton_gemv.gemv_supported(x, weight, bias):
+            return triton_gemv.gemv_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 # Row counts up to this use the block-quantized kernel when a layer has one; more rows use fp32. With int8
@@ -68,4 +93,4 @@ class Linear(nn.Linear):
             return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)

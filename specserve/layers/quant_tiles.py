@@ -1,5 +1,6 @@
-"""Tile configurations of the quantized GEMM kernels (``layers/triton_w8a16.py``, ``layers/triton_w4a16.py``):
-one table per kernel, keyed by a bucket of row counts M, optionally refined per weight shape ``(N, K)``.
+"""Tile configurations of the quantized GEMM kernels (``layers/triton_w8a16.py``, ``layers/triton_w4a16.py``) and
+of the 16-bit-weight GEMV (``layers/triton_gemv.py``): one table per kernel, keyed by a bucket of row counts M,
+optionally refined per weight shape ``(N, K)``.
 
 The entries are meant to be re-chosen from ``benchmarks/quant_gemm_gpu.py`` on the target GPU: it sweeps tile
 configurations per (shape, M) and prints the best ones as ``TileConfig(...)`` lines ready to paste here. A
@@ -121,6 +122,22 @@ W4A16_TILES = TileTable(
         64: TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=64),
         256: TileConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64),
         4096: TileConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128),
+    },
+    by_shape={},
+)
+
+# bf16 / fp16 weights (no quantization) x activations of the same dtype, the GEMV on the CUDA cores
+# (layers/triton_gemv.py; only block_n, block_k, split_k, num_warps, num_stages apply). Opt-in: Linear (and the LM
+# head, layers/linear.dense_linear) run 0 < M <= BF16_GEMV_MAX_ROWS rows through it on CUDA; 0 keeps F.linear
+# (cuBLAS) everywhere. Not yet timed on a GPU: run benchmarks/quant_gemm_gpu.py (method bf16_triton, its
+# "suggested" bf16_triton tiles and bf16_gemv_max_rows) and set both from it. The entries start from the W8A16
+# GEMV's (bf16 rows are twice the bytes of e4m3 ones, hence half the block_k at the same bytes per load step).
+BF16_GEMV_MAX_ROWS = 0
+BF16_GEMV_TILES = TileTable(
+    by_rows={
+        1: TileConfig(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+        2: TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+        4: TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=1, split_k=1, use_dot=False),
     },
     by_shape={},
 )

@@ -14,13 +14,12 @@ on (read at every call) and the layer's ops provide them; otherwise, and with ``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers import quant_tiles
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import Linear, pack_weight, packed_linear, use_quant_kernel
+from specserve.layers.linear import Linear, dense_linear, pack_weight, packed_linear, use_quant_kernel
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
@@ -250,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return dense_linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,8 @@
 """Compile the quantized-GEMM Triton kernels for a GPU target on a machine without one (Triton ships ptxas): the
-W8A16 GEMM and the FP8 activation quantizer (``layers/triton_w8a16.py``) and the W4A16 GEMM
-(``layers/triton_w4a16.py``). The interpreter that runs the unit tests never type-checks, lays out or lowers a
-kernel, so a kernel can pass every interpreted test and still fail to compile.
+W8A16 GEMM and the FP8 activation quantizer (``layers/triton_w8a16.py``), the W4A16 GEMM
+(``layers/triton_w4a16.py``) and the 16-bit-weight GEMV (``layers/triton_gemv.py``). The interpreter that runs
+the unit tests never type-checks, lays out or lowers a kernel, so a kernel can pass every interpreted test and
+still fail to compile.
 
 Each wrapper runs on CPU tensors with its kernel replaced by a recorder; every distinct launch is then compiled
 the way ``kernel[grid](...)`` would on an sm_90 GPU (the JIT's own specialization: integer 1 as a constant,
@@ -35,12 +36,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from specserve.layers import quant_tiles, triton_w4a16, triton_w8a16  # noqa: E402
+from specserve.layers import quant_tiles, triton_gemv, triton_w4a16, triton_w8a16  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_kernel"),
-           (triton_w4a16, "_w4a16_kernel"))
+           (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"))
 
 
 class Recorder:
@@ -142,6 +143,15 @@ def table_calls(quick: bool):
                     triton_w4a16.w4a16_linear(x, qweight, groups, groups, None, split_k=4)
                 for m in (1, 33):
                     triton_w8a16.quantize_fp8_rows_triton(torch.zeros(m, k, dtype=dtype))
+                if dtype in triton_gemv.GEMV_DTYPES:
+                    w16 = torch.zeros(n, k, dtype=dtype)
+                    for m in (1, 2, 3, 4):
+                        x = torch.zeros(m, k, dtype=dtype)
+                        triton_gemv.gemv_linear(x, w16, None)
+                        triton_gemv.gemv_linear(x, w16, bias)
+                        cfg = quant_tiles.BF16_GEMV_TILES.lookup(m, n, k)
+                        triton_gemv.gemv_linear(x, w16, None, config=_replace(cfg, split_k=3))
+                        triton_gemv.gemv_linear(x[:, :k - 8], w16[:, :k - 8].contiguous(), None)  # ragged K
     return calls
 
 
@@ -167,6 +177,9 @@ def sweep_calls():
                 triton_w8a16.w8a16_linear(x, w8, w8_scale, None, config=cfg)
             for cfg in bench.w4a16_sweep(m):
                 triton_w4a16.w4a16_linear(x, qweight, groups, groups, None, config=cfg)
+            w16 = torch.zeros(n, k, dtype=torch.bfloat16)
+            for cfg in bench.bf16_gemv_sweep(m):
+                triton_gemv.gemv_linear(x, w16, None, config=cfg)
     return calls
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -66,6 +65,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_engine import copy_bandwidth, free, sync  # noqa: E402 - the engine script's measures
 from specserve.layers.quant_tiles import TileConfig  # noqa: E402
 
 SHAPES = {  # name -> (N out_features, K in_features), Llama-3.1-8B
@@ -146,32 +146,6 @@ def w4a16_sweep(m: int) -> list[TileConfig]:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
-    """Bytes/s of a device-to-device copy, counting the read and the write (gpu_engine.py's measure)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    sync(device)
-    dt = (time.perf_counter() - t0) / iters
-    return 2 * nbytes / dt
-
-
 def time_calls(fns: list, device: torch.device, launches: int, reps: int) -> tuple[float, str]:
     """Seconds per call of ``fns`` (called in rotation): CUDA-graph replay of ``launches`` calls on CUDA (eager
     calls between CUDA events if capture fails), wall time on CPU. Returns (seconds, how)."""

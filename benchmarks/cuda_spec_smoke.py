@@ -1,5 +1,6 @@
 """CUDA smoke check for speculative decoding (GPU machine, not CI): on a CUDA device, greedy output with every
-proposer (ngram, draft = the target itself, random EAGLE-3 and P-EAGLE heads) equals plain greedy output on
+proposer (ngram, draft = the target itself, random EAGLE-3 and P-EAGLE heads; EAGLE-3 also with its draft steps
+replayed from CUDA graphs, ``eagle3_graphs``) equals plain greedy output on
 the same device and on CPU, token for token, for num_spec_tokens 1 and 4, batch 1 and 6, with chunked prefill;
 nothing is left in the target's or the drafters' KV caches. fp32, seeded tiny model (tests/tiny.py's shape).
 
@@ -19,13 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from specserve.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.models.loader import _init_dummy, build_model  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 from tests.tiny import prompts, shape_for_tests, tiny_config  # noqa: E402
 
-DRAFTERS = {"none": None, "ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy"}
+DRAFTERS = {"none": None, "ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy",
+            "eagle3_graphs": "dummy"}
 
 
 def engine(device: str, method: str, k: int, budget: int) -> LLMEngine:
@@ -36,9 +38,11 @@ def engine(device: str, method: str, k: int, budget: int) -> LLMEngine:
     model = model.to(device)
     model.init_rope(torch.device(device))
     model.pack_weights()  # CPU-only packing: a no-op that drops the CPU copies on CUDA
-    spec = SpecConfig(method=method, model=DRAFTERS[method], num_spec_tokens=k) if method != "none" else SpecConfig()
+    name = method.removesuffix("_graphs")
+    spec = SpecConfig(method=name, model=DRAFTERS[method], num_spec_tokens=k) if method != "none" else SpecConfig()
     cfg = EngineConfig(model="tiny", device=device, cache=CacheConfig(block_size=4, num_blocks=256), speculative=spec,
-                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512),
+                       cuda_graphs=CudaGraphConfig(draft_steps=method.endswith("_graphs")))
     return LLMEngine(cfg, model, config, None)
 
 
@@ -63,6 +67,9 @@ def main() -> int:
                     p.kv.blocks.num_free_blocks == p.kv.blocks.num_blocks for p in e.proposers.values()
                     if hasattr(p, "kv"))
                 same = outs == cpu_plain[:batch]
+                if method == "eagle3_graphs" and k > 1:  # the chain must have been replayed, not skipped
+                    chain = e.proposers["eagle3"].chain
+                    same &= chain is not None and chain.num_replays > 0
                 ok &= same and clean
                 checks[f"{method}/k{k}/batch{batch}/budget{budget}"] = {
                     "equals_cpu_plain": same, "kv_clean": clean, "seconds": time.perf_counter() - t0,

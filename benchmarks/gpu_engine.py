@@ -103,12 +103,13 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
 
 
 def engine_for(model, config: ModelConfig, device: torch.device, max_num_seqs: int, kv_gib: float,
-               max_model_len: int, budget: int, spec: SpecConfig | None = None, proposers: dict | None = None):
+               max_model_len: int, budget: int, spec: SpecConfig | None = None, proposers: dict | None = None,
+               draft_graphs: bool = False):
     cfg = EngineConfig(model="bench", device=str(device), cache=CacheConfig(block_size=BLOCK_SIZE,
                                                                              kv_cache_memory_gib=kv_gib),
                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                                  max_model_len=max_model_len),
-                       speculative=spec or SpecConfig())
+                       speculative=spec or SpecConfig(), cuda_graphs=CudaGraphConfig(draft_steps=draft_graphs))
     return LLMEngine(cfg, model, config, None, proposers=proposers)
 
 
@@ -393,11 +394,14 @@ def e2e_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> 
     rep.data["e2e"] = out
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     runs = {"none": (SpecConfig(), SPEC_OFF), "ngram": (SpecConfig(), SpecParams("ngram", 4)),
-            "eagle3": (SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4), SpecParams("eagle3", 4))}
+            "eagle3": (SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4), SpecParams("eagle3", 4)),
+            # the same random head with draft steps 2..4 replayed from CUDA graphs (CudaGraphConfig.draft_steps)
+            "eagle3_graphs": (SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4), SpecParams("eagle3", 4))}
     first_tokens = {}
     for name, (spec_cfg, spec) in runs.items():
         try:
-            engine = engine_for(model, config, device, max(args.concurrency), 4.0, max_len, 4096, spec=spec_cfg)
+            engine = engine_for(model, config, device, max(args.concurrency), 4.0, max_len, 4096, spec=spec_cfg,
+                                draft_graphs=name == "eagle3_graphs")
             for c in args.concurrency:  # warm-up at every concurrency: Triton compiles a prefill's variants once
                 engine.generate(random_prompts(c, args.e2e_prompt_len, config.vocab_size, seed=99),
                                 SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), spec)

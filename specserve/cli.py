@@ -64,6 +64,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="N,N,...", help="batch-size buckets captured (a step pads to the next one)")
     g.add_argument("--cuda-graph-max-query-len", type=int, default=CudaGraphConfig.max_query_len,
                    help="longest query (1 + drafts) a captured step may have; longer ones run eagerly")
+    g.add_argument("--cuda-graph-draft-steps", action="store_true",
+                   help="also capture an EAGLE-3 head's draft steps 2..k (one graph per batch bucket and k)")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
     g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",
@@ -113,7 +115,7 @@ def cuda_graph_config_from_args(args: argparse.Namespace) -> CudaGraphConfig:
         raise ValueError(f"cuda_graphs.batch_sizes: not a comma-separated list of integers: "
                          f"{args.cuda_graph_batch_sizes!r}") from None
     return CudaGraphConfig(enabled=not args.enforce_eager, batch_sizes=sizes,
-                           max_query_len=args.cuda_graph_max_query_len)
+                           max_query_len=args.cuda_graph_max_query_len, draft_steps=args.cuda_graph_draft_steps)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

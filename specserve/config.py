@@ -100,13 +100,16 @@ class CudaGraphConfig:
 
     ``num_splits``: key-range splits of the captured decode kernel (None: chosen per bucket from the SM count).
     ``capture_at_startup``: capture q = 1 (and 1 + the server's ``num_spec_tokens``) for every bucket when the
-    engine starts; other query lengths are captured the first time a step needs them."""
+    engine starts; other query lengths are captured the first time a step needs them.
+    ``draft_steps``: also capture an EAGLE-3 head's draft steps 2..k, one graph per (bucket, steps), captured on
+    first use (``spec/draft_graphs.py``). Off until timed on a GPU (benchmarks/gpu_engine.py's eagle3_graphs)."""
 
     enabled: bool = True
     batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     max_query_len: int = 8
     num_splits: int | None = None
     capture_at_startup: bool = True
+    draft_steps: bool = False
 
     def __post_init__(self) -> None:
         self.batch_sizes = tuple(self.batch_sizes)
@@ -196,6 +199,7 @@ class TrainDraftConfig:
 
     method: str = "eagle3"  # "eagle3" | "peagle"
     num_layers: int = 1  # decoder layers of the head (P-EAGLE: 2 to 4)
+    head_intermediate_size: int = 0  # the head's MLP width; 0: the target's (hidden size and heads always are)
     draft_vocab_size: int = 16384
     # data generation with the target
     max_new_tokens: int = 512
@@ -232,6 +236,7 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         _require(self.method in ("eagle3", "peagle"), "method", "must be eagle3 or peagle")
         _require(self.num_layers >= 1, "num_layers", "must be at least 1")
+        _require(self.head_intermediate_size >= 0, "head_intermediate_size", "must be >= 0 (0: the target's)")
         _require(self.draft_vocab_size >= 1, "draft_vocab_size", "must be positive")
         _require(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", "must be in [0, 1]")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")

@@ -10,7 +10,8 @@ block of 32 (integer dot products; see ``layers/quant_cpu.py`` for the numerics)
 every row count, prefill included.
 
 On CUDA, 16-bit weights can take a Triton GEMV (``layers/triton_gemv.py``) instead of cuBLAS for a few rows:
-``dense_linear`` routes ``0 < M <= quant_tiles.BF16_GEMV_MAX_ROWS`` (read at call time; 0, the default, keeps
+``dense_linear`` routes ``0 < M <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows of weights of at least
+``BF16_GEMV_MIN_WEIGHT`` elements (read at call time; the default is one row, as timed on the H200; 0 keeps
 ``F.linear`` everywhere). ``Linear.forward`` and the LM head (``LlamaForCausalLM.compute_logits``) call it."""
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def dense_linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [num_rows, out_features]
     """``F.linear``, or the Triton 16-bit GEMV (``triton_gemv.gemv_linear``: fp32 sums, one rounding) for
-    ``0 < num_rows <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows on a ``GEMV_DEVICE_TYPES`` device when the operands
-    fit it (2D x, contiguous bf16 / fp16 weight of x's dtype). With the default ``BF16_GEMV_MAX_ROWS = 0`` this is
-    exactly ``F.linear``."""
+    ``0 < num_rows <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows on a ``GEMV_DEVICE_TYPES`` device when the weight has
+    at least ``quant_tiles.BF16_GEMV_MIN_WEIGHT`` elements and the operands fit it (2D x, contiguous bf16 / fp16
+    weight of x's dtype). ``BF16_GEMV_MAX_ROWS = 0`` makes this exactly ``F.linear``."""
     max_rows = quant_tiles.BF16_GEMV_MAX_ROWS
-    if max_rows > 0 and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.device.type in GEMV_DEVICE_TYPES:
+    if (max_rows > 0 and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.device.type in GEMV_DEVICE_TYPES
+            and weight.numel() >= quant_tiles.BF16_GEMV_MIN_WEIGHT):
         from specserve.layers import triton_gemv  # lazily: Triton only where it runs
         if triton_gemv.gemv_supported(x, weight, bias):
             return triton_gemv.gemv_linear(x, weight, bias)

@@ -129,10 +129,15 @@ W4A16_TILES = TileTable(
 # bf16 / fp16 weights (no quantization) x activations of the same dtype, the GEMV on the CUDA cores
 # (layers/triton_gemv.py; only block_n, block_k, split_k, num_warps, num_stages apply). Opt-in: Linear (and the LM
 # head, layers/linear.dense_linear) run 0 < M <= BF16_GEMV_MAX_ROWS rows through it on CUDA; 0 keeps F.linear
-# (cuBLAS) everywhere. Not yet timed on a GPU: run benchmarks/quant_gemm_gpu.py (method bf16_triton, its
-# "suggested" bf16_triton tiles and bf16_gemv_max_rows) and set both from it. The entries start from the W8A16
-# GEMV's (bf16 rows are twice the bytes of e4m3 ones, hence half the block_k at the same bytes per load step).
-BF16_GEMV_MAX_ROWS = 0
+# (cuBLAS) everywhere. benchmarks/quant_gemm_gpu.py (method bf16_triton) suggests both the tiles and the row
+# limit: at M = 2 cuBLAS was already faster (0.93x), at M = 4 and 8 far faster, so only M = 1 takes the kernel.
+BF16_GEMV_MAX_ROWS = 1
+# ... and only for weights of at least this many elements. Timed on the H200 (benchmarks/results/
+# quant_gemm_gpu.json, fp8_b1_session12.json): at M = 1 the kernel beats cuBLAS on every Llama-8B projection
+# (1.11x per forward's projections, 1.8-2.0x on the LM head; the b=1 decode graph 4.42 -> 4.13 ms); the
+# small projections of a 135M model (0.3-1.8M elements, too few N tiles to fill the GPU) were not timed
+# separately and keep cuBLAS; its 28M-element LM head takes the kernel.
+BF16_GEMV_MIN_WEIGHT = 4 << 20
 BF16_GEMV_TILES = TileTable(
     by_rows={
         1: TileConfig(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),

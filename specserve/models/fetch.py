@@ -35,6 +35,9 @@ DEFAULT_MODEL = ModelSpec(
 )
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send as "model" for the default model
+# The EAGLE-3 head trained for the default model (``specserve train-draft``), committed with its model card in the
+# repository's heads/ folder (beside the package in a source checkout / editable install): `make serve`'s drafter.
+DEFAULT_EAGLE3_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct-eagle3"
 
 
 def cache_dir() -> Path:

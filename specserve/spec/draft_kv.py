@@ -46,6 +46,17 @@ class DraftKV:
         self.backend.prepare(meta, self.block_size)
         return meta
 
+    def reserve(self, request_ids: list[str], num_positions: int) -> tuple[list[int], list[list[int]]]:
+        """Allocate ``num_positions`` more positions per request without building step metadata (a static chain
+        of steps describes them itself, ``spec/draft_graphs.py``). Returns (positions cached before, block tables
+        after)."""
+        before = []
+        for rid in request_ids:
+            before.append(self.computed(rid))
+            self.blocks.allocate(rid, num_positions)
+            self.num_computed[rid] = before[-1] + num_positions
+        return before, [self.blocks.block_table(rid) for rid in request_ids]
+
     def truncate(self, request_id: str, num_positions: int) -> None:
         """Keep the first ``num_positions`` positions of a request, drop the rest."""
         have = self.computed(request_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.request import Request
+from specserve.spec.draft_graphs import ChainGraphRunner
 from specserve.spec.draft_kv import DraftKV
 from specserve.spec.eagle_head import EagleHead
 from specserve.spec.proposer import Draft, VerifiedChunk
@@ -39,6 +40,14 @@ class Eagle3Proposer:
         self.device = device
         # request id -> (request, [(position_start, features [num_tokens, n_aux * target_hidden])])
         self.pending: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
+        self.chain: ChainGraphRunner | None = None  # static / captured draft steps 2..k (``use_chain_graphs``)
+
+    def use_chain_graphs(self, batch_sizes: tuple[int, ...], max_num_seqs: int, max_steps: int,
+                         max_positions: int, capture: bool) -> None:
+        """Run draft steps 2..k as one static forward per (batch bucket, steps), a CUDA graph when ``capture``
+        (``spec/draft_graphs.py``); batches that do not fit keep the eager loop."""
+        self.chain = ChainGraphRunner(self.head, self.kv, batch_sizes, max_num_seqs, max_steps, max_positions,
+                                      self.device, capture)
 
     def observe(self, chunks: list[VerifiedChunk], aux_hidden: torch.Tensor | None) -> None:
         assert aux_hidden is not None, "EAGLE heads need the target's aux hidden states"
@@ -97,6 +106,10 @@ class Eagle3Proposer:
         fed = fed[rows]
         for i, tok in zip(drafting, new):
             tokens[i].append(tok)
+        if self.chain is not None and self._chain(requests, num_spec_tokens, drafting, tokens, fed):
+            for r in requests:
+                kv.truncate(r.request_id, r.num_tokens - 1)
+            return [Draft(t) for t in tokens]
         step = 1
         active = drafting
         while True:
@@ -117,6 +130,24 @@ class Eagle3Proposer:
         for r in requests:
             kv.truncate(r.request_id, r.num_tokens - 1)
         return [Draft(t) for t in tokens]
+
+
+    def _chain(self, requests: list[Request], num_spec_tokens: list[int], drafting: list[int],
+               tokens: list[list[int]], fed: torch.Tensor) -> bool:
+        """Drafts 2.. of every drafting request from one static chain (all run the longest chain asked for;
+        extra drafts are dropped). False, with nothing changed, when the batch does not fit it."""
+        steps = max(num_spec_tokens[i] for i in drafting) - 1
+        if steps < 1:
+            return True  # first drafts only: nothing left to run
+        rids = [requests[i].request_id for i in drafting]
+        longest = max(self.kv.computed(rid) for rid in rids) + steps
+        if not self.chain.fits(len(rids), steps, longest):
+            return False
+        computed, tables = self.kv.reserve(rids, steps)
+        chains = self.chain.run([tokens[i][0] for i in drafting], fed, computed, tables, steps)
+        for i, chain in zip(drafting, chains):
+            tokens[i].extend(chain[:num_spec_tokens[i] - 1])
+        return True
 
 
 def load_eagle_proposer(method: str, model: str, target, target_config, num_blocks: int, block_size: int,

@@ -8,10 +8,10 @@ from dataclasses import fields
 from specserve.config import TrainDraftConfig
 
 # TrainDraftConfig fields exposed as flags (the rest keep their defaults)
-_FLAGS = ("method", "num_layers", "draft_vocab_size", "max_new_tokens", "max_turns", "sampled_fraction",
-          "sampling_temperature", "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len",
-          "max_batch_tokens", "ttt_steps", "ttt_anchors", "num_spec_tokens", "anchors_per_seq", "anchor_chunk",
-          "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
+_FLAGS = ("method", "num_layers", "head_intermediate_size", "draft_vocab_size", "max_new_tokens", "max_turns",
+          "sampled_fraction", "sampling_temperature", "held_out_fraction", "epochs", "lr", "warmup_steps",
+          "max_seq_len", "max_batch_tokens", "ttt_steps", "ttt_anchors", "num_spec_tokens", "anchors_per_seq",
+          "anchor_chunk", "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
           "max_generate_seconds", "max_train_seconds", "total_steps", "seed")
 
 
@@ -22,6 +22,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (head, checkpoint, data, report)")
     p.add_argument("--data", nargs="+", default=None,
                    help="reuse data_train.npz / data_held_out.npz from these directories (concatenated)")
+    p.add_argument("--extra-data", nargs="+", default=None,
+                   help="earlier runs' sample directories (data_train.npz + data_held_out.npz), both appended to "
+                        "the training split only")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -49,5 +52,5 @@ def main(args: argparse.Namespace) -> int:
     if not args.prompts and not args.data:
         args.error("--prompts: give prompt files (or --data with generated samples)")
     train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
-                args.max_model_len, args.max_num_seqs, args.kv_cache_gib)
+                args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data)
     return 0

@@ -17,6 +17,7 @@ renormalised over the draft vocabulary); accuracy is top-1 agreement with the ta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -58,7 +59,10 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
     the target's (only the mask token's row is trained), the mask feature from zero."""
     t = target_config
     parallel = cfg.method == "peagle"
-    hc = EagleHeadConfig(layer=head_layer_config(t, cfg.num_layers, "eagle-head"), target_hidden_size=t.hidden_size,
+    layer = head_layer_config(t, cfg.num_layers, "eagle-head")
+    if cfg.head_intermediate_size:  # a wider MLP than the target's (the only width a head may change freely)
+        layer = dataclasses.replace(layer, intermediate_size=cfg.head_intermediate_size)
+    hc = EagleHeadConfig(layer=layer, target_hidden_size=t.hidden_size,
                          draft_vocab_size=len(draft_ids), aux_layer_ids=head_aux_layer_ids(t.num_hidden_layers),
                          has_embedding=parallel,
                          parallel=parallel, mask_token_id=_mask_token_id(t) if parallel else None,
@@ -353,6 +357,17 @@ class Trainer:
             merged.loss = float(sum(losses))
             return losses, merged
 
+    def train_step(self, batch: Batch, lr: float) -> StepStats:
+        """One optimiser step on ``batch`` at learning rate ``lr``."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        _, stats = self._loss(batch, train=True)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return stats
+
     def fit(self, samples: list[Sample], held_out: list[Sample] | None = None,
             stop_after: int | None = None) -> list[dict]:
         """Train until the planned steps (or the time budget) run out. With ``held_out`` and ``cfg.eval_every``,
@@ -381,13 +396,7 @@ class Trainer:
                 order_epoch, order = epoch, make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens,
                                                          cfg.seed + epoch)
             batch = collate([samples[i] for i in order[idx]], cfg.max_seq_len, self.device)
-            for group in self.opt.param_groups:
-                group["lr"] = _lr_at(self.step, total, cfg)
-            self.opt.zero_grad(set_to_none=True)
-            _, stats = self._loss(batch, train=True)
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-            self.opt.step()
-            self.step += 1
+            stats = self.train_step(batch, _lr_at(self.step, total, cfg))
             done = self.step - start_step
             if cfg.max_train_seconds and done == 5:
                 warm = time.perf_counter()  # the first steps pay for allocation and kernel selection

@@ -98,7 +98,10 @@ def test_cuda_graph_flags():
                                       "--cuda-graph-max-query-len", "5"])
     graphs = engine_config_from_args(args).cuda_graphs
     assert not graphs.enabled and graphs.batch_sizes == (1, 2, 8) and graphs.max_query_len == 5
-    assert engine_config_from_args(build_parser().parse_args(["serve"])).cuda_graphs.enabled
+    default = engine_config_from_args(build_parser().parse_args(["serve"])).cuda_graphs
+    assert default.enabled and not default.draft_steps
+    args = build_parser().parse_args(["serve", "--cuda-graph-draft-steps"])
+    assert engine_config_from_args(args).cuda_graphs.draft_steps
 
 
 def test_bad_cuda_graph_flag_names_the_flag():
@@ -107,3 +110,31 @@ def test_bad_cuda_graph_flag_names_the_flag():
     with pytest.raises(ValueError) as exc:
         engine_config_from_args(args)
     assert config_error_message(exc.value).startswith("argument --cuda-graph-batch-sizes:")
+
+
+def test_make_serve_defaults_to_the_shipped_eagle3_head() -> None:
+    """`make serve` (the README's quickstart) serves the default model with the EAGLE-3 head committed under
+    heads/, and that head is shaped for the default model: it loads against SmolLM2-135M's layer count and
+    vocabulary, with the target features EAGLE-3 takes (low, mid, high layers)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from specserve.models.fetch import DEFAULT_EAGLE3_HEAD
+    from specserve.spec.eagle_checkpoint import load_eagle_head
+
+    root = Path(__file__).resolve().parents[2]
+    make = (root / "Makefile").read_text()
+    serve_args = re.search(r"^SERVE_ARGS \?=(.*)$", make, re.M).group(1)
+    args = _serve_parser().parse_args(shlex.split(serve_args))
+    config = engine_config_from_args(args)
+    assert config.model == "default"
+    assert config.speculative.method == "eagle3"
+    assert (root / config.speculative.model).resolve() == DEFAULT_EAGLE3_HEAD
+    head = load_eagle_head(DEFAULT_EAGLE3_HEAD, 30, 49152, 2048, torch.float32, torch.device("cpu"))
+    assert not head.config.parallel and head.config.draft_vocab_size == 8192
+    assert head.config.aux_layer_ids == (2, 15, 27)
+    d2t = head.d2t + torch.arange(len(head.d2t))  # draft index -> target id: distinct ids of the vocabulary
+    assert len(set(d2t.tolist())) == len(d2t) and int(d2t.max()) < 49152

@@ -195,3 +195,53 @@ def test_incremental_drafts_equal_the_from_scratch_reference(parallel: bool, bud
     assert len(drafts) > 20
     for tokens, k, draft in drafts:
         assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
+
+
+# ---- static chains of draft steps (spec/draft_graphs.py, the path CUDA graphs capture) ------------------------
+@pytest.mark.parametrize("buckets, budget", [((1, 2, 4), 512), ((1, 2, 4), 7), ((1, 2), 512)])
+def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: int) -> None:
+    """Draft steps 2..k run as one padded static forward (eagerly here: ``capture=False``) draft exactly what the
+    from-scratch reference does, with chunked prefill, requests asking for different k (each gets its own
+    count; the chain runs the longest), batches padded to a bucket, and batches larger than the largest bucket
+    (buckets (1, 2), four requests) falling back to the eager loop."""
+    from specserve.spec.params import SpecParams
+
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4),
+                         max_num_batched_tokens=budget, block_size=4)
+    proposer = engine.proposers["eagle3"]
+    proposer.use_chain_graphs(buckets, max_num_seqs=64, max_steps=7, max_positions=600, capture=False)
+    runs = []
+    inner = proposer.chain.run
+    proposer.chain.run = lambda *a: runs.append(len(a[0])) or inner(*a)
+    drafts = record_drafts(proposer)
+    ks = [SpecParams("eagle3", k) for k in (4, 2, 7, 1)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 12, 30, 30)]
+    reqs = engine.generate(prompts([5, 17, 3, 40]), params, ks)
+    assert len(drafts) > 20 and runs, "the static chain ran"
+    if buckets == (1, 2):  # four (or three) requests at once do not fit; the last two do
+        assert max(runs) <= 2
+    for tokens, k, draft in drafts:
+        assert len(draft) == k
+        assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
+    plain = tiny_engine(max_num_batched_tokens=budget).generate(prompts([5, 17, 3, 40]), params)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+
+
+def test_static_draft_chain_leaves_the_head_cache_as_the_eager_loop_does() -> None:
+    """After every round the head cache holds exactly the verified positions (the chain's reserved positions are
+    rolled back), and finished requests free all of their blocks."""
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=5), block_size=4)
+    proposer = engine.proposers["eagle3"]
+    proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=7, max_positions=600, capture=False)
+    kv = proposer.kv
+    free_before = kv.blocks.num_free_blocks
+    inner = proposer.propose
+
+    def propose(requests, counts):
+        drafts = inner(requests, counts)
+        for r in requests:
+            assert kv.computed(r.request_id) <= r.num_tokens - 1
+        return drafts
+    proposer.propose = propose
+    engine.generate(prompts([9, 30]), GREEDY)
+    assert not kv.num_computed and kv.blocks.num_free_blocks == free_before

@@ -299,14 +299,19 @@ def test_fit_keeps_the_head_with_the_best_held_out_estimate(tmp_path, method: st
     assert est[min(k, max(est))] == pytest.approx(max(scores.values()))
 
 
-@pytest.mark.parametrize("method", ["eagle3", "peagle"])
-def test_export_then_load_gives_identical_drafts(tmp_path, method: str) -> None:
-    trainer, engine = tiny_trainer(method, tmp_path / "run", num_layers=1 if method == "eagle3" else 2)
+@pytest.mark.parametrize("method,mlp", [("eagle3", 0), ("peagle", 0), ("eagle3", 96)])
+def test_export_then_load_gives_identical_drafts(tmp_path, method: str, mlp: int) -> None:
+    """``mlp``: the head's MLP width (``head_intermediate_size``; 0 = the target's), written to and read from the
+    checkpoint's transformer_layer_config."""
+    trainer, engine = tiny_trainer(method, tmp_path / "run", num_layers=1 if method == "eagle3" else 2,
+                                   head_intermediate_size=mlp)
     out = tmp_path / "head"
     files = export_head(trainer.head, out, "tiny", dtype=torch.float32, max_shard_bytes=20_000)
     assert len(files) > 1 and (out / "model.safetensors.index.json").exists()  # sharded
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == method and cfg["draft_vocab_size"] == VOCAB // 2 + 1
+    width = cfg["transformer_layer_config"]["intermediate_size"]
+    assert width == (mlp or engine.model_config.intermediate_size) and width != (96 if not mlp else 0)
     loaded = load_eagle_head(out, 2, VOCAB, 512, torch.float32, torch.device("cpu"))
     runs = []
     for head in (trainer.head.eval(), loaded):

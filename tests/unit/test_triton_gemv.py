@@ -6,9 +6,10 @@
   dtype, for M in {1, 2, 3, 4} (and 5: two row tiles), odd N (ragged last N tile), K not a multiple of BLOCK_K,
   bias or none, bf16 and fp16, split K off / forced / auto (in-launch reduction; counters left zero;
   deterministic).
-- Routing: with the default ``BF16_GEMV_MAX_ROWS = 0`` ``Linear`` and ``dense_linear`` return exactly
-  ``F.linear``'s result and never call the kernel; with it set, rows ``0 < M <= max`` of 16-bit weights go to the
-  kernel and the rest (more rows, fp32 weights, non-contiguous weights) to ``F.linear``.
+- Routing: with ``BF16_GEMV_MAX_ROWS = 0`` ``Linear`` and ``dense_linear`` return exactly ``F.linear``'s result
+  and never call the kernel; with it set, rows ``0 < M <= max`` of 16-bit weights of at least
+  ``BF16_GEMV_MIN_WEIGHT`` elements go to the kernel and the rest (more rows, smaller, fp32 or non-contiguous
+  weights) to ``F.linear``.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ def _count_calls(monkeypatch, gemv) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_routing_off_by_default_is_exactly_f_linear(gemv, monkeypatch, dtype: torch.dtype) -> None:
-    assert quant_tiles.BF16_GEMV_MAX_ROWS == 0
+def test_routing_off_is_exactly_f_linear(gemv, monkeypatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(quant_tiles, "BF16_GEMV_MAX_ROWS", 0)
+    monkeypatch.setattr(quant_tiles, "BF16_GEMV_MIN_WEIGHT", 0)
     monkeypatch.setattr(linear_mod, "GEMV_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     calls = _count_calls(monkeypatch, gemv)
     layer = _layer(dtype, bias=True)
@@ -162,6 +164,7 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
     bound holds), 4 rows, fp32 weights and non-contiguous weights to F.linear (bit for bit)."""
     monkeypatch.setattr(linear_mod, "GEMV_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(quant_tiles, "BF16_GEMV_MAX_ROWS", 3)
+    monkeypatch.setattr(quant_tiles, "BF16_GEMV_MIN_WEIGHT", 21 * 64)  # the layer's [21, 64] weight: just enough
     calls = _count_calls(monkeypatch, gemv)
     layer = _layer(dtype, bias)
     with torch.no_grad(), override(BF16_GEMV_TILES, {4: CFG}):
@@ -178,6 +181,8 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
         assert torch.equal(fp32(x), F.linear(x, fp32.weight, fp32.bias))
         w_t = torch.randn(64, 21, device=DEVICE).to(dtype).t()  # [21, 64], not contiguous
         assert torch.equal(linear_mod.dense_linear(x.to(dtype), w_t), F.linear(x.to(dtype), w_t))
+        small = torch.randn(20, 64, device=DEVICE).to(dtype)  # fits the kernel, one row short of the minimum
+        assert torch.equal(linear_mod.dense_linear(x.to(dtype), small), F.linear(x.to(dtype), small))
         assert calls == [1, 2, 3]
         head = torch.randn(50, 64, device=DEVICE).to(dtype)  # an LM head / embedding weight [vocab, hidden]
         out = linear_mod.dense_linear(x.to(dtype), head)

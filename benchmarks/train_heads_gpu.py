@@ -1,17 +1,21 @@
 """Train and measure the default model's draft heads on the GPU machine (not CI), in device calls that fit its
 limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
 
-    stage   copy the first half of the GGUF and the gzipped prompt files (carried in .carry/a) to /tmp/stage
+    split   (here) cut the cached GGUF into .carry/g1..g4 (25 MB each: the committed head leaves ~27 MB a call)
+            and gather the prompt files and earlier samples into .carry/d
+    stage   copy what the call carried (a GGUF part, prompt files) to /tmp/stage; one call per part, back to
+            back (the machine is released after ~30 s idle, and /tmp with it)
+    train   join the GGUF parts, run ``specserve train-draft`` for EAGLE-3 (data generated with our engine,
+            time-bounded, or --data .carry/d/gen*) and P-EAGLE (same data), pack the heads into $OUT
             (a later ``train --total-steps N`` call resumes the checkpoint an earlier call left in /tmp/work)
-    train   join the GGUF (second half carried in .carry/b), run ``specserve train-draft`` for EAGLE-3 (data
-            generated with our engine, time-bounded) and P-EAGLE (same data), pack the heads into $OUT
     eval    mean acceptance length with our engine, greedy, MT-Bench first turns / HumanEval / GSM8K test,
             num_spec_tokens 1..7, both heads; writes $OUT/acceptance.json
 
 The P-EAGLE head's embedding is the target's plus one learned row (the mask token): only that row comes back
 (``mask_embedding.safetensors``) and ``merge`` rebuilds the full table from the local GGUF.
 
-    python benchmarks/train_heads_gpu.py stage|train|eval
+    python benchmarks/train_heads_gpu.py split                 (here, once)
+    python benchmarks/train_heads_gpu.py stage|train|eval|pack   (device calls, carrying .carry/gK or .carry/d)
     python benchmarks/train_heads_gpu.py merge --heads DIR   (here, after train)
 """
 
@@ -40,18 +44,53 @@ TRAIN_SOURCES = ["gpteacher", "gsm8k/train.jsonl.gz", "sharegpt", "t0", "wmt_end
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
 
+def split(part_mb: float) -> None:
+    """Here, before the GPU calls: the cached GGUF into ``.carry/g1 .. gN/gguf.partNN`` of at most ``part_mb``
+    MB each, and the prompt files and earlier samples into ``.carry/d`` (data/, gen*/). With the committed head
+    the tracked tree is ~40 MB, so a call carries at most ~27 MB: one ``stage`` call per part (the warm machine
+    keeps /tmp/stage between calls), then ``train`` / ``eval`` carrying ``.carry/d``."""
+    from specserve.models.fetch import default_model_path
+
+    raw = default_model_path().read_bytes()
+    part = int(part_mb * 1e6)
+    for old in ROOT.glob(".carry/g*"):
+        shutil.rmtree(old)
+    for i in range(0, len(raw), part):
+        d = ROOT / f".carry/g{i // part + 1}"
+        d.mkdir(parents=True)
+        (d / f"gguf.part{i // part:02d}").write_bytes(raw[i:i + part])
+    d = ROOT / ".carry/d"
+    d.mkdir(parents=True, exist_ok=True)
+    for src in [ROOT / ".carry/a/data", *sorted(ROOT.glob(".carry/b/gen*"))]:
+        if src.exists():
+            shutil.copytree(src, d / src.name, dirs_exist_ok=True)
+    print("parts", sorted(p.name for p in ROOT.glob(".carry/g*")), "data", sorted(p.name for p in d.iterdir()))
+
+
 def stage() -> None:
+    """Copy whatever this call carried into /tmp/stage: GGUF parts (``.carry/g*``, or the older ``.carry/a/p1``)
+    and the prompt files (``.carry/d/data`` or ``.carry/a/data``)."""
     STAGE.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / ".carry/a/p1", STAGE / "p1")
-    shutil.copytree(ROOT / ".carry/a/data", STAGE / "data", dirs_exist_ok=True)
+    for part in sorted(ROOT.glob(".carry/g*/gguf.part*")):
+        shutil.copy(part, STAGE / part.name)
+    if (ROOT / ".carry/a/p1").exists():
+        shutil.copy(ROOT / ".carry/a/p1", STAGE / "gguf.part00")
+    for data in (ROOT / ".carry/d/data", ROOT / ".carry/a/data"):
+        if data.exists():
+            shutil.copytree(data, STAGE / "data", dirs_exist_ok=True)
     print("staged", sorted(p.name for p in STAGE.iterdir()))
 
 
 def join_gguf() -> Path:
     path = STAGE / "model.gguf"
     if not path.exists():
+        if not (STAGE / "data").exists():
+            stage()  # this call carried the data (``.carry/d``)
+        parts = sorted(STAGE.glob("gguf.part*"))
+        if (ROOT / ".carry/b/p2").exists():  # the older two-part layout
+            parts.append(ROOT / ".carry/b/p2")
         with open(path, "wb") as f:
-            for part in (STAGE / "p1", ROOT / ".carry/b/p2"):
+            for part in parts:
                 f.write(part.read_bytes())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != GGUF_SHA256:
@@ -226,7 +265,8 @@ def merge(heads: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["stage", "train", "eval", "merge", "pack"])
+    ap.add_argument("phase", choices=["split", "stage", "train", "eval", "merge", "pack"])
+    ap.add_argument("--part-mb", type=float, default=25.0, help="split: GGUF part size")
     ap.add_argument("--gen-seconds", type=float, default=210)
     ap.add_argument("--train-seconds", type=float, default=110)
     ap.add_argument("--peagle-train-seconds", type=float, default=0)
@@ -262,8 +302,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--heads", type=Path, default=None)
     args = ap.parse_args()
-    {"stage": lambda: stage(), "train": lambda: train(args), "eval": lambda: evaluate(args),
-     "merge": lambda: merge(args.heads),
+    {"split": lambda: split(args.part_mb), "stage": lambda: stage(), "train": lambda: train(args),
+     "eval": lambda: evaluate(args), "merge": lambda: merge(args.heads),
      "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack})}[
         args.phase]()
     return 0

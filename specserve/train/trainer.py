@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.config import ModelConfig, TrainDraftConfig
@@ -164,10 +163,33 @@ def target_outputs(target, tokens: torch.Tensor, aux_layer_ids: tuple[int, ...],
 # ---------------------------------------------------------------------------------------------- losses
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``sum_r w_r * (-sum_v p_rv * log_softmax(z_r)_v)`` without keeping a log-softmax or product tensor:
+    per row ``lse(z) * sum(p) - p . z`` forward and ``(softmax(z) * sum(p) - p) * w`` backward, both in fp32 over
+    the 16-bit logits autocast gives. The [rows, vocab] tensors dominate a training step's memory traffic."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # logits [R, V] (any float dtype), probs [R, V] fp32, weight [R] fp32 -> scalar
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)  # [R]
+        psum = probs.sum(-1)  # [R]
+        dot = torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).view(-1)  # [R] p . z, nothing [R, V] kept
+        ctx.save_for_backward(logits, probs, lse, psum, weight)
+        return ((lse * psum - dot) * weight).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, probs, lse, psum, weight = ctx.saved_tensors
+        g = torch.exp(logits.float() - lse[:, None]).mul_(psum[:, None]).sub_(probs).mul_((grad * weight)[:, None])
+        return g.to(logits.dtype), None, None
+
+
 def _soft_ce(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over ``mask`` rows of ``-sum probs * log_softmax(logits)``; logits/probs [..., V], mask [...]."""
-    loss = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+    v = logits.shape[-1]
+    weight = mask.reshape(-1).float() / mask.sum().clamp(min=1)
+    return _SoftCrossEntropy.apply(logits.reshape(-1, v), probs.reshape(-1, v).float(), weight)
 
 
 @dataclass

@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.config import TrainDraftConfig
 from specserve.sampling import SamplingParams
@@ -19,7 +21,7 @@ from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, la
 from specserve.train.data import conversation_from_record, read_conversations, split_held_out
 from specserve.train.generate import Sample, load_samples, save_samples
 from specserve.train.pipeline import export_head
-from specserve.train.trainer import Trainer, _lr_at, _shift, collate, target_outputs
+from specserve.train.trainer import Trainer, _lr_at, _shift, _soft_ce, collate, target_outputs
 from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, token_counts
 from tests.tiny import prompts, tiny_engine
 
@@ -419,3 +421,24 @@ def test_sampled_ttt_anchors_compute_what_every_anchor_computes(tmp_path) -> Non
     for s in range(1, 4):
         expect = full[s].reshape(B, T, -1)[torch.arange(B)[:, None], anchors.clamp(min=0)]
         torch.testing.assert_close(some[s].reshape(B, anchors.shape[1], -1)[ok], expect[ok], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), vocab=st.integers(1, 17), lead=st.booleans(), seed=st.integers(0, 2**16),
+       scale=st.floats(0.1, 30.0))
+def test_soft_cross_entropy_matches_the_log_softmax_formula(rows, vocab, lead, seed, scale) -> None:
+    """The fused soft cross-entropy (loss and gradient) equals the textbook
+    ``mean over masked rows of -sum p * log_softmax(z)``, computed in fp64, for any shape, mask (empty too),
+    target distribution (renormalised or not) and logit scale."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, rows, vocab) if lead else (rows, vocab)
+    z = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+    p = torch.rand(shape, generator=gen, dtype=torch.float64)
+    p = p / p.sum(-1, keepdim=True) * torch.rand(shape[:-1] + (1,), generator=gen, dtype=torch.float64)
+    mask = (torch.rand(shape[:-1], generator=gen) > 0.4).double()
+    ref = (-(p * torch.log_softmax(z, -1)).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+    (g_ref,) = torch.autograd.grad(ref, z)
+    got = _soft_ce(z, p, mask)
+    (g_got,) = torch.autograd.grad(got, z)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-5)
+    assert torch.allclose(g_got, g_ref, rtol=1e-4, atol=1e-6)

@@ -7,6 +7,7 @@ fp32 on CPU) at batch 1 and 8, greedy, for each method:
     ngram     prompt lookup, num_spec_tokens 4
     draft     the target drafting for itself (AL is k + 1; it shows the cost of a draft model as big as the target)
     eagle3    a random EAGLE-3 head (acceptance ~0: the pure cost of a head that drafts and is rejected)
+    eagle3_trained  the EAGLE-3 head the repository ships (heads/, `make serve`'s drafter)
     peagle    a random P-EAGLE head (same, one forward per round)
 
 on two workloads: "verbatim" asks the model to copy a prose passage (MT-Bench's GPT-4 reference answers)
@@ -38,9 +39,11 @@ from pathlib import Path
 
 from specserve.bench.machine import machine_info
 from specserve.config import CPU_ACTIVATION_QUANTS, SpecConfig
+from specserve.models.fetch import DEFAULT_EAGLE3_HEAD
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = {"none": None, "ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy"}
+METHODS = {"none": None, "ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy",
+           "eagle3_trained": str(DEFAULT_EAGLE3_HEAD)}
 
 
 def verbatim_prompts(data_dir: Path) -> list[tuple[str, str]]:
@@ -68,7 +71,8 @@ def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max
     from specserve.engine.engine import LLMEngine
     from specserve.sampling import SamplingParams
 
-    spec = SpecConfig(method=method, model=METHODS[method], num_spec_tokens=k, ngram_min=ngram[0],
+    spec = SpecConfig(method=method.removesuffix("_trained"), model=METHODS[method], num_spec_tokens=k,
+                      ngram_min=ngram[0],
                       ngram_max=ngram[1]) if method != "none" else SpecConfig()
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=1.0), speculative=spec,
                        cpu_activation_quant=cpu_activation_quant,
@@ -127,7 +131,7 @@ def main() -> int:
               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_spec_tokens": args.num_spec_tokens,
               "ngram_min_max": [args.ngram_min, args.ngram_max],
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
-    print(f"{'workload':>9} {'batch':>5} {'method':>7} | {'tok/s':>7} | {'vs none':>7} | {'TPOT ms':>7} | "
+    print(f"{'workload':>9} {'batch':>5} {'method':>14} | {'tok/s':>7} | {'vs none':>7} | {'TPOT ms':>7} | "
           f"{'vs none':>7} | {'AL':>5} | {'accept':>6} | same")
     for workload in args.workloads.split(","):
         texts = sources[workload](data_dir)[:args.num_prompts]
@@ -151,7 +155,7 @@ def main() -> int:
                     acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
                     ratio = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
                     tpot = f"{r['tpot_speedup_vs_none']:.2f}x" if r["tpot_speedup_vs_none"] else "-"
-                    print(f"{workload:>9} {batch:>5} {method:>7} | {r['output_tok_s']:>7.1f} | {ratio:>7} | "
+                    print(f"{workload:>9} {batch:>5} {method:>14} | {r['output_tok_s']:>7.1f} | {ratio:>7} | "
                           f"{r['mean_tpot_ms']:>7.1f} | {tpot:>7} | {al:>5} | {acc:>6} | "
                           f"{r['output_equals_none']}", flush=True)
             for method, rs in runs.items():  # the repeat with the median speedup, and every repeat's ratios

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import MAX_NUM_SPEC_TOKENS, EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Request, RequestOutput
@@ -67,6 +67,20 @@ class LLMEngine:
         startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
         self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
                                       self.aux_layer_ids, startup_query_lens)
+        self._setup_draft_graphs(config, model)
+
+    def _setup_draft_graphs(self, config: EngineConfig, model) -> None:
+        """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's draft steps 2..k
+        replay graphs too, captured on first use into the target graphs' memory pool (``spec/draft_graphs.py``)."""
+        graphs = self.runner.graphs
+        proposer = self.proposers.get("eagle3")
+        if graphs is None or not graphs.capture or not config.cuda_graphs.draft_steps or proposer is None:
+            return
+        if not hasattr(proposer, "use_chain_graphs") or not getattr(proposer.kv.backend, "capturable", False):
+            return
+        proposer.use_chain_graphs(config.cuda_graphs.batch_sizes, config.scheduler.max_num_seqs,
+                                  MAX_NUM_SPEC_TOKENS - 1, model.max_position + MAX_NUM_SPEC_TOKENS, capture=True,
+                                  pool=graphs.pool)
 
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: MetricsSink | None = None) -> LLMEngine:

@@ -39,7 +39,7 @@ class ChainGraphRunner:
     """Static (captured when ``capture``) chains of single-token head steps over ``DraftKV``'s cache."""
 
     def __init__(self, head, kv, batch_sizes: tuple[int, ...], max_num_seqs: int, max_steps: int,
-                 max_positions: int, device: torch.device, capture: bool) -> None:
+                 max_positions: int, device: torch.device, capture: bool, pool=None) -> None:
         backend = kv.backend
         if capture and not getattr(backend, "capturable", False):
             raise ValueError(f"{type(backend).__name__} cannot be captured in a CUDA graph")
@@ -65,7 +65,8 @@ class ChainGraphRunner:
             self.query_start_loc = torch.arange(b + 1, dtype=torch.int64, device=device)  # one token per row
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self.forwards: dict[tuple[int, int], object] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # graphs of one engine share a pool (they never replay at the same time): the target's, when given
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if capture else None
         self.capture_seconds = 0.0
         self.num_replays = 0
 

@@ -43,11 +43,12 @@ class Eagle3Proposer:
         self.chain: ChainGraphRunner | None = None  # static / captured draft steps 2..k (``use_chain_graphs``)
 
     def use_chain_graphs(self, batch_sizes: tuple[int, ...], max_num_seqs: int, max_steps: int,
-                         max_positions: int, capture: bool) -> None:
+                         max_positions: int, capture: bool, pool=None) -> None:
         """Run draft steps 2..k as one static forward per (batch bucket, steps), a CUDA graph when ``capture``
-        (``spec/draft_graphs.py``); batches that do not fit keep the eager loop."""
+        (``spec/draft_graphs.py``; ``pool``: the memory pool to capture into, e.g. the target graphs'); batches
+        that do not fit keep the eager loop."""
         self.chain = ChainGraphRunner(self.head, self.kv, batch_sizes, max_num_seqs, max_steps, max_positions,
-                                      self.device, capture)
+                                      self.device, capture, pool)
 
     def observe(self, chunks: list[VerifiedChunk], aux_hidden: torch.Tensor | None) -> None:
         assert aux_hidden is not None, "EAGLE heads need the target's aux hidden states"

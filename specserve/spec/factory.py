@@ -29,12 +29,6 @@ def build_proposers(config: EngineConfig, target, target_config: ModelConfig, nu
         from specserve.spec.eagle3 import load_eagle_proposer
         proposers[spec.method] = load_eagle_proposer(spec.method, spec.model, target, target_config, draft_blocks,
                                                      config.cache.block_size, device, config.seed)
-        graphs = config.cuda_graphs
-        if (spec.method == "eagle3" and device.type == "cuda" and graphs.enabled and graphs.draft_steps
-                and getattr(proposers["eagle3"].kv.backend, "capturable", False)):
-            proposers["eagle3"].use_chain_graphs(graphs.batch_sizes, config.scheduler.max_num_seqs,
-                                                 MAX_NUM_SPEC_TOKENS - 1, target.max_position + MAX_NUM_SPEC_TOKENS,
-                                                 capture=True)
     return proposers
 
 

@@ -245,3 +245,24 @@ def test_static_draft_chain_leaves_the_head_cache_as_the_eager_loop_does() -> No
     proposer.propose = propose
     engine.generate(prompts([9, 30]), GREEDY)
     assert not kv.num_computed and kv.blocks.num_free_blocks == free_before
+
+
+def test_draft_graphs_follow_the_target_graphs_and_share_their_pool(monkeypatch) -> None:
+    """``cuda_graphs.draft_steps`` turns the chain on only where the target's steps are captured (so never on
+    CPU), and the chain captures into the target graphs' memory pool."""
+    from types import SimpleNamespace
+
+    from specserve.config import CudaGraphConfig
+
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4))
+    proposer = engine.proposers["eagle3"]
+    assert engine.runner.graphs is None and proposer.chain is None  # CPU: nothing captured
+    calls = []
+    monkeypatch.setattr(proposer, "use_chain_graphs", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(proposer.kv.backend, "capturable", True, raising=False)
+    pool = object()
+    engine.runner.graphs = SimpleNamespace(capture=True, pool=pool)
+    for draft_steps in (False, True):
+        engine.config.cuda_graphs = CudaGraphConfig(draft_steps=draft_steps)
+        engine._setup_draft_graphs(engine.config, engine.runner.model)
+    assert len(calls) == 1 and calls[0][1] == {"capture": True, "pool": pool}

@@ -171,17 +171,20 @@ class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # logits [R, V] (any float dtype), probs [R, V] fp32, weight [R] fp32 -> scalar
-        z = logits.float()
-        lse = torch.logsumexp(z, dim=-1)  # [R]
-        psum = probs.sum(-1)  # [R]
-        dot = torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).view(-1)  # [R] p . z, nothing [R, V] kept
+        with torch.autocast(logits.device.type, enabled=False):  # autocast would round the bmm to 16 bits
+            z = logits.float()
+            lse = torch.logsumexp(z, dim=-1)  # [R]
+            psum = probs.sum(-1)  # [R]
+            dot = torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).view(-1)  # [R] p . z, nothing [R, V] kept
         ctx.save_for_backward(logits, probs, lse, psum, weight)
         return ((lse * psum - dot) * weight).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, probs, lse, psum, weight = ctx.saved_tensors
-        g = torch.exp(logits.float() - lse[:, None]).mul_(psum[:, None]).sub_(probs).mul_((grad * weight)[:, None])
+        with torch.autocast(logits.device.type, enabled=False):
+            g = torch.exp(logits.float() - lse[:, None]).mul_(psum[:, None]).sub_(probs)
+            g.mul_((grad * weight)[:, None])
         return g.to(logits.dtype), None, None
 
 

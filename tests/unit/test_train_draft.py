@@ -442,3 +442,5 @@ def test_soft_cross_entropy_matches_the_log_softmax_formula(rows, vocab, lead, s
     (g_got,) = torch.autograd.grad(got, z)
     assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-5)
     assert torch.allclose(g_got, g_ref, rtol=1e-4, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as training runs on GPU: the sums stay fp32
+        assert _soft_ce(z, p, mask).item() == pytest.approx(got.item(), rel=1e-6, abs=1e-6)

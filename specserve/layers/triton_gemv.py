@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import BF16_GEMV_TILES, TileConfig
-from specserve.layers.triton_splitk import split_buffers, split_plan, splitk_reduce
+from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -88,12 +88,8 @@ def _gemv_kernel(
             acc3 += w * tl.load(x_ptrs + 3 * stride_xm, mask=k_mask & (row0 + 3 < M),
                                 other=0.0).to(tl.float32)[None, :]
     rows = offs_m[:, None] - row0  # [BLOCK_M, 1]: 0 .. BLOCK_M - 1
-    acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
-    if BLOCK_M > 1:
-        acc = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], acc)
-    if BLOCK_M > 2:
-        acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
-        acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    acc = pick_rows(rows, tl.sum(acc0, axis=1)[None, :], tl.sum(acc1, axis=1)[None, :],
+                    tl.sum(acc2, axis=1)[None, :], tl.sum(acc3, axis=1)[None, :], 0.0, BLOCK_M)  # [BLOCK_M, BLOCK_N]
     c_mask = (offs_m < M)[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, is_last = splitk_reduce(acc, offs_m, offs_n, M, N, partial_ptr, count_ptr,

@@ -1,5 +1,5 @@
-"""Split-K reduced inside one launch, shared by the quantized GEMM kernels (``triton_w8a16.py``,
-``triton_w4a16.py``).
+"""Split-K reduced inside one launch, shared by the GEMM / GEMV kernels (``triton_w8a16.py``,
+``triton_w4a16.py``, ``triton_gemv.py``), and ``pick_rows``, how their GEMV paths assemble the output tile.
 
 At decode sizes a GEMM is a GEMV bound by weight bandwidth, and tiling only the N output channels can leave
 multiprocessors idle (N = 4096 at BLOCK_N = 64 is 64 programs for 132 SMs). Splitting K across ``SPLIT_K``
@@ -55,6 +55,25 @@ def splitk_reduce(
             acc += tl.load(p_ptrs + s * M * N, mask=c_mask, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + tile, 0)  # ready for the next launch
     return acc, is_last
+
+
+@triton.jit
+def pick_rows(
+    rows,  # [BLOCK_M, 1] row offsets within the tile, 0 .. BLOCK_M - 1
+    v0, v1, v2, v3,  # row r's values, each broadcastable against rows ([1, BLOCK_N] sums, or scalars)
+    fill,  # the value of rows past BLOCK_M's (never read: BLOCK_M is 1, 2 or 4)
+    BLOCK_M: tl.constexpr,
+):
+    """The ``[BLOCK_M, ...]`` tile whose row ``r`` is ``v_r``: a GEMV path keeps one accumulator per row (2D,
+    in the weight tile's layout) and assembles its output tile from their sums here. ``v_r`` past ``BLOCK_M`` are
+    not read (their sums are dead code and compiled away)."""
+    out = tl.where(rows == 0, v0, fill)
+    if BLOCK_M > 1:
+        out = tl.where(rows == 1, v1, out)
+    if BLOCK_M > 2:
+        out = tl.where(rows == 2, v2, out)
+        out = tl.where(rows == 3, v3, out)
+    return out
 
 
 @functools.cache

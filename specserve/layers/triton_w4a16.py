@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import W4A16_TILES, TileConfig
-from specserve.layers.triton_splitk import split_buffers, split_plan, splitk_reduce
+from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 _MAGIC_BITS = 0x4B000000  # the bits of the float 2^23: OR-ing a 4-bit q into them gives 2^23 + q
 _TWO_23 = tl.constexpr(8388608.0)
@@ -139,12 +139,9 @@ def _w4a16_kernel(
                 acc2 += part2 * s[None, :]
                 acc3 += part3 * s[None, :]
         rows = offs_m[:, None] - row0  # [BLOCK_M, 1]: 0 .. BLOCK_M - 1
-        acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
-        if BLOCK_M > 1:
-            acc = tl.where(rows == 1, tl.sum(acc1, axis=0)[None, :], acc)
-        if BLOCK_M > 2:
-            acc = tl.where(rows == 2, tl.sum(acc2, axis=0)[None, :], acc)
-            acc = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], acc)
+        acc = pick_rows(rows, tl.sum(acc0, axis=0)[None, :], tl.sum(acc1, axis=0)[None, :],
+                        tl.sum(acc2, axis=0)[None, :], tl.sum(acc3, axis=0)[None, :], 0.0,
+                        BLOCK_M)  # [BLOCK_M, BLOCK_N]
     c_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, is_last = splitk_reduce(acc, offs_m, offs_n, M, N, partial_ptr, count_ptr,

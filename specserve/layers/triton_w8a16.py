@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig
-from specserve.layers.triton_splitk import split_buffers, split_plan, splitk_reduce
+from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
 _MIN_SCALE = tl.constexpr(1e-12)  # quant_gpu._MIN_SCALE: an all-zero row gets this scale
@@ -209,16 +209,10 @@ def _w8a16_kernel(
                 acc2 += w * _gemv_x(x_ptrs + 2 * stride_xm, k_mask & (row0 + 2 < M), s2, X_MODE)[None, :]
                 acc3 += w * _gemv_x(x_ptrs + 3 * stride_xm, k_mask & (row0 + 3 < M), s3, X_MODE)[None, :]
         rows = offs_m[:, None] - row0  # [BLOCK_M, 1]: 0 .. BLOCK_M - 1
-        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
-        xs_col = tl.where(rows == 0, s0, 1.0)  # [BLOCK_M, 1] per-token scales (X_MODE != 0)
-        if BLOCK_M > 1:
-            acc = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], acc)
-            xs_col = tl.where(rows == 1, s1, xs_col)
-        if BLOCK_M > 2:
-            acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
-            acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
-            xs_col = tl.where(rows == 2, s2, xs_col)
-            xs_col = tl.where(rows == 3, s3, xs_col)
+        acc = pick_rows(rows, tl.sum(acc0, axis=1)[None, :], tl.sum(acc1, axis=1)[None, :],
+                        tl.sum(acc2, axis=1)[None, :], tl.sum(acc3, axis=1)[None, :], 0.0,
+                        BLOCK_M)  # [BLOCK_M, BLOCK_N]
+        xs_col = pick_rows(rows, s0, s1, s2, s3, 1.0, BLOCK_M)  # [BLOCK_M, 1] per-token scales (X_MODE != 0)
     c_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, is_last = splitk_reduce(acc, offs_m, offs_n, M, N, partial_ptr, count_ptr,

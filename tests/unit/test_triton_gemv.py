@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from specserve.layers import linear as linear_mod
 from specserve.layers import quant_tiles
 from specserve.layers.quant_tiles import BF16_GEMV_TILES, TileConfig, override
+from tests.rounding import assert_rounded_from
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":  # before anything imports triton: its jit functions read TRITON_INTERPRET when defined
@@ -51,24 +52,6 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
     return x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)
 
 
-def _assert_rounded_from(
-    out: torch.Tensor,  # [M, N] the kernel's output, 16-bit
-    ref: torch.Tensor,  # [M, N] fp64 exact maths
-    rtol: float = 1e-5,
-) -> None:
-    """``out`` is ``ref`` up to fp32 summation order (``rtol`` of each row's largest |output|) and one rounding to
-    ``out.dtype`` (half an ulp of the magnitude)."""
-    ref, got = ref.cpu(), out.cpu().double()
-    slack = rtol * ref.abs().amax(dim=1, keepdim=True)  # [M, 1]
-    mantissa = torch.finfo(out.dtype).eps
-    _, exp = torch.frexp((ref.abs() + slack).float())  # |v| < 2^exp
-    half_ulp = torch.ldexp(torch.full_like(ref, mantissa / 2), exp.to(torch.float64) - 1)
-    half_ulp = half_ulp.clamp(min=torch.finfo(out.dtype).smallest_normal * mantissa / 2)
-    err = (got - ref).abs()
-    bound = slack + half_ulp
-    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g} (err {err.max().item():.3g})"
-
-
 def _fp64(x, w, b):  # [M, K], [N, K], [N] -> [M, N] fp64
     out = x.double() @ w.double().t()
     return out if b is None else out + b.double()
@@ -86,7 +69,7 @@ def test_gemv_equals_fp64_reference(gemv, m: int, dtype: torch.dtype, bias: bool
         for split in (1, 2):
             out = gemv.gemv_linear(x, w, b, config=TileConfig(16, 32, 4, 1, split_k=split, use_dot=False))
             assert out.dtype == dtype and out.shape == (m, 37)
-            _assert_rounded_from(out, ref)
+            assert_rounded_from(out, ref)
 
 
 def test_gemv_split_k_auto_is_deterministic_and_leaves_counters_zero(gemv) -> None:
@@ -102,7 +85,7 @@ def test_gemv_split_k_auto_is_deterministic_and_leaves_counters_zero(gemv) -> No
     assert torch.count_nonzero(counters).item() == 0
     second = gemv.gemv_linear(x, w, b, config=cfg, counters=counters)
     assert torch.equal(first, second)
-    _assert_rounded_from(first, _fp64(x, w, b))
+    assert_rounded_from(first, _fp64(x, w, b))
 
 
 def test_gemv_table_lookup_and_strided_x(gemv) -> None:
@@ -113,7 +96,7 @@ def test_gemv_table_lookup_and_strided_x(gemv) -> None:
     w = w[:, :128].contiguous()
     with override(BF16_GEMV_TILES, {4: CFG}):
         out = gemv.gemv_linear(x, w, b)
-    _assert_rounded_from(out, _fp64(x, w, b))
+    assert_rounded_from(out, _fp64(x, w, b))
 
 
 def test_gemv_rejects_mismatched_operands(gemv) -> None:
@@ -172,7 +155,7 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
             x = torch.randn(m, 64, device=DEVICE).to(dtype)
             out = layer(x)
             if m <= 3:
-                _assert_rounded_from(out, _fp64(x, layer.weight, layer.bias))
+                assert_rounded_from(out, _fp64(x, layer.weight, layer.bias))
             else:
                 assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
         assert calls == [1, 2, 3]
@@ -187,7 +170,7 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
         head = torch.randn(50, 64, device=DEVICE).to(dtype)  # an LM head / embedding weight [vocab, hidden]
         out = linear_mod.dense_linear(x.to(dtype), head)
         assert calls == [1, 2, 3, 2]
-        _assert_rounded_from(out, _fp64(x.to(dtype), head, None))
+        assert_rounded_from(out, _fp64(x.to(dtype), head, None))
 
 
 def test_compute_logits_routes_through_dense_linear(monkeypatch) -> None:

@@ -35,6 +35,7 @@ from specserve.layers.quant_gpu import (
     w8a16_linear_reference,
 )
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig, TileTable, override
+from tests.rounding import assert_rounded_from
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":  # before anything imports triton: its jit functions read TRITON_INTERPRET when defined
@@ -88,25 +89,6 @@ def _fp64_reference(
     return out if bias is None else out + bias.double()
 
 
-def _assert_rounded_from(
-    out: torch.Tensor,  # [M, N] the kernel's output, any float dtype
-    ref: torch.Tensor,  # [M, N] fp64 exact maths
-    rtol: float = 1e-5,
-) -> float:
-    """``out`` is ``ref`` up to fp32 summation order (``rtol`` of each row's largest |output|) and one rounding to
-    ``out.dtype`` (half an ulp). Returns the tolerance's scale (the smallest row bound) for callers' contrasts."""
-    ref, got = ref.cpu(), out.cpu().double()
-    slack = rtol * ref.abs().amax(dim=1, keepdim=True)  # [M, 1]
-    mantissa = torch.finfo(out.dtype).eps  # 2^-mantissa_bits
-    _, exp = torch.frexp((ref.abs() + slack).float())  # |v| < 2^exp
-    half_ulp = torch.ldexp(torch.full_like(ref, mantissa / 2), exp.to(torch.float64) - 1)
-    half_ulp = half_ulp.clamp(min=torch.finfo(out.dtype).smallest_normal * mantissa / 2)
-    err = (got - ref).abs()
-    bound = slack + half_ulp
-    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g} (err {err.max().item():.3g})"
-    return slack.min().item()
-
-
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
 @pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, True), (torch.float16, False), (torch.float32, True)])
 def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: torch.dtype, bias: bool) -> None:
@@ -123,7 +105,7 @@ def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: 
         for act_quant in ("per_token", "per_token_prequant"):
             out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant=act_quant)
             assert out.dtype == dtype
-            _assert_rounded_from(out, ref)
+            assert_rounded_from(out, ref)
     _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=GEMV), fp8_linear_reference(x, w_q, w_scale, b))
 
 
@@ -225,11 +207,11 @@ def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype
     batch = layer(x)  # 40 rows: the reference path
     exact = _fp64_reference(*quantize_fp8_rows(x.cpu()), layer.weight.cpu(), layer.weight_scale.cpu(),
                             layer.bias.cpu())
-    tol = _assert_rounded_from(batch, exact)
+    tol = assert_rounded_from(batch, exact)
     for rows in (8, 32):
-        _assert_rounded_from(layer(x[:rows]), exact[:rows])
+        assert_rounded_from(layer(x[:rows]), exact[:rows])
     singles = torch.cat([layer(x[i:i + 1]) for i in (0, 5, 39)])
-    _assert_rounded_from(singles, exact[[0, 5, 39]])
+    assert_rounded_from(singles, exact[[0, 5, 39]])
     if dtype == torch.float32:
         torch.testing.assert_close(singles, batch[[0, 5, 39]], rtol=0, atol=2 * tol)
     layer.activation_quant = "none"

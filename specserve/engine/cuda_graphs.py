@@ -79,6 +79,47 @@ def bucket_sizes(batch_sizes: tuple[int, ...], max_num_seqs: int) -> list[int]:
     return out
 
 
+def bucket_for(buckets: list[int], num_seqs: int) -> int | None:
+    """The smallest bucket holding ``num_seqs`` sequences (``buckets`` ascending), None when none does."""
+    i = bisect.bisect_left(buckets, num_seqs)
+    return buckets[i] if i < len(buckets) else None
+
+
+class StagingBuffer:
+    """A static int64 device buffer that steps' host-built values are copied into (graphs read views of it). On
+    CUDA the values go through a pinned host copy: the host-to-device copy is then one asynchronous DMA instead
+    of a copy through a temporary pageable tensor, and an event keeps the next load from overwriting the pinned
+    buffer before that copy has read it."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        with torch.inference_mode():
+            self.device = torch.zeros(size, dtype=torch.int64, device=device)  # [size]
+            self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of ``host``
+
+    def load(self, values: list[int]) -> None:
+        """``device[:len(values)] = values``, asynchronously on CUDA."""
+        if self.host is None:
+            self.device[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+            return
+        self._copied.synchronize()  # the previous load's copy has read the pinned buffer
+        host = self.host[:len(values)]
+        host.numpy()[:] = values
+        self.device[:len(values)].copy_(host, non_blocking=True)
+        self._copied.record()
+
+
+def capture_graph(forward: Callable[[], None], pool, device: torch.device) -> torch.cuda.CUDAGraph:
+    """Run ``forward`` once (Triton compiles, cuBLAS picks kernels), then record it into ``pool``."""
+    forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        forward()
+    torch.cuda.synchronize(device)
+    return graph
+
+
 def padded_step_values(
     input_ids: list[int],  # [sum(query_lens)] packed tokens
     positions: list[int],  # [sum(query_lens)]
@@ -171,14 +212,9 @@ class CudaGraphRunner:
         mc = model.config
         self.num_kv_heads = mc.num_key_value_heads
         dtype = next(model.parameters()).dtype
+        self._staging = StagingBuffer(4 * self.max_tokens + self.max_batch + self.max_batch * self.width, device)
+        self.staging = self._staging.device
         with torch.inference_mode():
-            self.staging = torch.zeros(4 * self.max_tokens + self.max_batch + self.max_batch * self.width,
-                                       dtype=torch.int64, device=device)
-            # On CUDA the values go through a pinned host copy of ``staging``: the host-to-device copy is then
-            # one asynchronous DMA instead of a copy through a temporary pageable tensor.
-            self.host_staging = (torch.zeros(self.staging.shape, dtype=torch.int64, pin_memory=True)
-                                 if device.type == "cuda" else None)
-            self._staged = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of it
             self.block_tables = torch.zeros((self.max_batch, self.width), dtype=torch.int64, device=device)
             self.hidden_out = torch.zeros((self.max_tokens, mc.hidden_size), dtype=dtype, device=device)
         self.aux_out: dict[int, torch.Tensor] = {}  # layer id -> [max_tokens, hidden_size]
@@ -191,8 +227,7 @@ class CudaGraphRunner:
 
     # ---- which steps fit -----------------------------------------------------------------------
     def bucket_for(self, num_seqs: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, num_seqs)
-        return self.buckets[i] if i < len(self.buckets) else None
+        return bucket_for(self.buckets, num_seqs)
 
     def fits(self, query_lens: list[int], seq_lens: list[int]) -> bool:
         """True when every query is at most ``max_query_len`` tokens, the batch fits a bucket, and every
@@ -213,14 +248,7 @@ class CudaGraphRunner:
 
     def _load(self, values: list[int], bucket: int, query_len: int, width: int) -> None:
         """One host-to-device copy of the step's values, then its block tables into the fixed-width buffer."""
-        if self.host_staging is None:
-            self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
-        else:
-            self._staged.synchronize()  # the previous step's copy has read the pinned buffer
-            host = self.host_staging[:len(values)]
-            host.numpy()[:] = values
-            self.staging[:len(values)].copy_(host, non_blocking=True)
-            self._staged.record()
+        self._staging.load(values)
         at = 3 * bucket * query_len + bucket
         tables = self.staging[at:at + bucket * width].view(bucket, width)  # [B, w]
         self.block_tables[:bucket, :width].copy_(tables)
@@ -274,13 +302,7 @@ class CudaGraphRunner:
         self._load(values, bucket, q, width)
         start = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
-        step.forward()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step.forward()
-        torch.cuda.synchronize(self.device)
-        step.graph = graph
+        step.graph = capture_graph(step.forward, self.pool, self.device)
         self.capture_seconds += time.perf_counter() - start
         self.pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
         logger.debug("captured CUDA graph: batch %d, query_len %d", bucket, q)

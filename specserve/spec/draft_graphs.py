@@ -26,12 +26,11 @@ any backend with ``prepare_static``): the CPU tests check it against the eager l
 
 from __future__ import annotations
 
-import bisect
 import time
 
 import torch
 
-from specserve.engine.cuda_graphs import bucket_sizes
+from specserve.engine.cuda_graphs import StagingBuffer, bucket_for, bucket_sizes, capture_graph
 from specserve.layers.attention import AttentionMetadata
 
 
@@ -55,10 +54,9 @@ class ChainGraphRunner:
         self.num_kv_heads = c.num_key_value_heads
         dtype = next(head.parameters()).dtype
         b, k = self.max_batch, max_steps
+        self._staging = StagingBuffer(b + 3 * k * b + b * self.width, device)
+        self.staging = self._staging.device
         with torch.inference_mode():
-            self.staging = torch.zeros(b + 3 * k * b + b * self.width, dtype=torch.int64, device=device)
-            self.host_staging = (torch.zeros(self.staging.shape, dtype=torch.int64, pin_memory=True)
-                                 if device.type == "cuda" else None)
             self.block_tables = torch.zeros((b, self.width), dtype=torch.int64, device=device)
             self.features = torch.zeros((b, c.hidden_size), dtype=dtype, device=device)
             self.drafts = torch.zeros((k, b), dtype=torch.int64, device=device)
@@ -69,10 +67,6 @@ class ChainGraphRunner:
         self.pool = (pool or torch.cuda.graph_pool_handle()) if capture else None
         self.capture_seconds = 0.0
         self.num_replays = 0
-
-    def bucket_for(self, num_rows: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, num_rows)
-        return self.buckets[i] if i < len(self.buckets) else None
 
     def fits(self, num_rows: int, steps: int, longest: int) -> bool:
         """``num_rows`` requests, ``steps`` chain steps, the longest request ending at ``longest`` positions."""
@@ -109,12 +103,7 @@ class ChainGraphRunner:
         return ids + pos + slots + lens + flat
 
     def _load(self, values: list[int], bucket: int, steps: int) -> None:
-        if self.host_staging is None:
-            self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
-        else:
-            host = self.host_staging[:len(values)]
-            host.numpy()[:] = values
-            self.staging[:len(values)].copy_(host, non_blocking=True)
+        self._staging.load(values)
         self.block_tables[:bucket].copy_(self._views(bucket, steps)[4])
 
     # ---- build / capture -----------------------------------------------------------------------
@@ -148,13 +137,7 @@ class ChainGraphRunner:
                 self._load(self._values([], [], [], bucket, steps), bucket, steps)  # all padding: no KV writes
                 self.features[:bucket].zero_()
                 start = time.perf_counter()
-                forward()  # warm-up: Triton compiles, cuBLAS picks kernels
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    forward()
-                torch.cuda.synchronize(self.device)
-                self.graphs[key] = graph
+                self.graphs[key] = capture_graph(forward, self.pool, self.device)
                 self.capture_seconds += time.perf_counter() - start
         return self.forwards[key], self.graphs[key]
 
@@ -169,7 +152,7 @@ class ChainGraphRunner:
         steps: int,
     ) -> list[list[int]]:  # [num_rows][steps] drafts 2 .. steps + 1
         n = len(first_ids)
-        bucket = self.bucket_for(n)
+        bucket = bucket_for(self.buckets, n)
         assert bucket is not None and self.fits(n, steps, max(computed) + steps), "chain does not fit"
         forward, graph = self._step(bucket, steps)  # may capture: before this chain's values load
         self._load(self._values(first_ids, computed, tables, bucket, steps), bucket, steps)

@@ -23,15 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specserve.bench.datasets import load_prompts  # noqa: E402
 from specserve.bench.machine import machine_info  # noqa: E402
 from specserve.models.fetch import DEFAULT_EAGLE3_HEAD  # noqa: E402
-
-
-def eval_sets(data: Path, n: int) -> dict[str, list[str]]:
-    def rows(path: Path) -> list[dict]:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {"mt_bench": [r["turns"][0] for r in rows(data / "mt_bench" / "question.jsonl")][:n],
-            "gsm8k": [r["question"] for r in rows(data / "gsm8k" / "test.jsonl")][:n]}
 
 
 def main() -> int:
@@ -71,8 +65,9 @@ def main() -> int:
     report = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "head": args.head,
               "head_draft_vocab_size": len(head_vocab), "num_training_samples": len(samples),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sets": {}}
-    for name, texts in eval_sets(Path(args.data_dir), args.num_prompts).items():
-        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    for name in ("mt_bench", "gsm8k"):  # first turns / questions, as `specserve bench` sends them
+        prompts = load_prompts(name, args.data_dir)[:args.num_prompts]
+        ids = [tokenizer.encode(tokenizer.apply_chat_template(p.messages)) for p in prompts]
         reqs = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         out = [t for r in reqs for t in r.output_ids]
         drafts = sum(r.spec_counters.num_drafts for r in reqs)

@@ -107,10 +107,17 @@ class Eagle3Proposer:
         fed = fed[rows]
         for i, tok in zip(drafting, new):
             tokens[i].append(tok)
-        if self.chain is not None and self._chain(requests, num_spec_tokens, drafting, tokens, fed):
-            for r in requests:
-                kv.truncate(r.request_id, r.num_tokens - 1)
-            return [Draft(t) for t in tokens]
+        if self.chain is None or not self._chain(requests, num_spec_tokens, drafting, tokens, fed):
+            self._steps(requests, num_spec_tokens, drafting, tokens, fed)
+        for r in requests:
+            kv.truncate(r.request_id, r.num_tokens - 1)
+        return [Draft(t) for t in tokens]
+
+    def _steps(self, requests: list[Request], num_spec_tokens: list[int], drafting: list[int],
+               tokens: list[list[int]], fed: torch.Tensor) -> None:
+        """Drafts 2.. eagerly, one head forward per step over the requests still drafting (``fed``
+        [len(drafting), hidden]: the first drafts' features)."""
+        head, kv = self.head, self.kv
         step = 1
         active = drafting
         while True:
@@ -128,10 +135,6 @@ class Eagle3Proposer:
             for i, tok in zip(active, head.draft_token_ids(normed).tolist()):
                 tokens[i].append(tok)
             step += 1
-        for r in requests:
-            kv.truncate(r.request_id, r.num_tokens - 1)
-        return [Draft(t) for t in tokens]
-
 
     def _chain(self, requests: list[Request], num_spec_tokens: list[int], drafting: list[int],
                tokens: list[list[int]], fed: torch.Tensor) -> bool:

@@ -103,6 +103,8 @@ def train(args) -> None:
     from specserve.config import TrainDraftConfig
     from specserve.train.pipeline import train_draft
 
+    if args.name and not (args.eagle3_only or args.peagle_only):
+        raise SystemExit("--name: one head per name; add --eagle3-only or --peagle-only")
     gguf = join_gguf()
     data = STAGE / "data"
     prompts = [str(data / s) for s in TRAIN_SOURCES]

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.layers.ops import select_ops  # noqa: E402
 from specserve.models.loader import _init_dummy, build_model, load_model  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 
@@ -34,6 +35,7 @@ def tiny_engine(device: str, budget: int) -> LLMEngine:
     with torch.no_grad():
         model.embed_tokens.weight.mul_(8.0)
     model = model.to(device)
+    model.set_ops(select_ops(torch.device(device), torch.float32))  # build_model chose the CPU kernels
     model.init_rope(torch.device(device))
     cfg = EngineConfig(model="tiny", device=device, cache=CacheConfig(block_size=4, num_blocks=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512))

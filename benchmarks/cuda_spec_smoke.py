@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specserve.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.layers.ops import select_ops  # noqa: E402
 from specserve.models.loader import _init_dummy, build_model  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 from tests.tiny import prompts, shape_for_tests, tiny_config  # noqa: E402
@@ -36,6 +37,7 @@ def engine(device: str, method: str, k: int, budget: int) -> LLMEngine:
     _init_dummy(model, 0)
     shape_for_tests(model)
     model = model.to(device)
+    model.set_ops(select_ops(torch.device(device), torch.float32))  # build_model chose the CPU kernels
     model.init_rope(torch.device(device))
     model.pack_weights()  # CPU-only packing: a no-op that drops the CPU copies on CUDA
     name = method.removesuffix("_graphs")

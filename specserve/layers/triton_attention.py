@@ -219,40 +219,32 @@ def _combine_splits_kernel(
     seq_ids_ptr,  # [num_short_seqs] int32
     stride_ot, stride_oh,
     num_heads, num_splits, head_dim,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    # grid: (num_short_seqs, num_kv_heads); the same rows as _decode_kernel.
-    # out = sum_s 2^(lse_s - lse) * o_s with lse = log2(sum_s 2^lse_s), accumulated online over s.
+    # grid: (num_short_seqs, num_heads, the longest short query): one (token, head) row per program, all of its
+    # splits in one load (no loop: every load is in flight at once, so the launch costs one memory round trip).
+    # out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m), m = max_s lse_s (empty splits weigh 0).
     seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int64)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
+    t = tl.program_id(2)
     tok_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - tok_start
-    rows = tl.arange(0, BLOCK_M)
-    t = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = t < q_len
-    d = tl.arange(0, HEAD_DIM_PAD)
-    io_mask = row_valid[:, None] & (d < head_dim)[None, :]
-    tok = tok_start + t
-    base = (tok * num_heads + head) * num_splits  # [BLOCK_M] flat index of (token, head, split 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    w_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(split_lse_ptr + base + s, mask=row_valid, other=float("-inf"))
-        o = tl.load(split_out_ptr + (base + s)[:, None] * head_dim + d[None, :], mask=io_mask, other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + o * beta[:, None]
-        w_i = w_i * alpha + beta
-        m_i = m_new
-    o = acc / tl.where(w_i > 0, w_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if t < q_len:
+        tok = tok_start + t
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        s_mask = s < num_splits
+        d_mask = d < head_dim
+        base = (tok * num_heads + head) * num_splits  # flat index of (token, head, split 0)
+        lse = tl.load(split_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
+        o = tl.load(split_out_ptr + (base + s)[:, None] * head_dim + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
+        m = tl.max(lse, axis=0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [SPLITS_PAD]; 0 where a split saw no key
+        total = tl.sum(w, axis=0)
+        o = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -499,11 +491,11 @@ class TritonAttentionBackend:
                 HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
                 num_warps=_num_warps(block_m, head_dim_pad), num_stages=2)
             if split:
-                _combine_splits_kernel[(num_short, num_kv_heads)](
+                _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](
                     out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"],
                     out.stride(0), out.stride(1), num_heads, num_splits, head_dim,
-                    GROUP=group, BLOCK_M=block_m, HEAD_DIM_PAD=head_dim_pad,
-                    num_warps=_num_warps(block_m, head_dim_pad))
+                    SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM_PAD=head_dim_pad,
+                    num_warps=1 if _next_pow2(num_splits) * head_dim_pad <= 2048 else 4)
 
         tile_tokens = prefill_tile_tokens(group)
         num_tiles, tile_seqs, tile_firsts = extra["prefill_tiles"][tile_tokens]

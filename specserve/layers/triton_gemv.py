@@ -119,9 +119,11 @@ def gemv_linear(
     bias: torch.Tensor | None = None,  # [out_features], x.dtype
     config: TileConfig | None = None,
     counters: torch.Tensor | None = None,  # [>= grid tiles] int32 zeros, for split-K launches
-) -> torch.Tensor:  # [num_rows, out_features], x.dtype
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [num_rows, out_features], out_dtype (default x.dtype)
     """``F.linear(x, weight, bias)`` in one launch with fp32 sums (up to summation order; one rounding of the fp32
-    result, bias added in fp32). Meant for a few rows (a row tile holds at most 4; more rows re-read the weights
+    result to ``out_dtype``, bias added in fp32; ``out_dtype=torch.float32`` keeps the sums unrounded, as the LM
+    head wants its logits). Meant for a few rows (a row tile holds at most 4; more rows re-read the weights
     per tile). ``config`` defaults to ``BF16_GEMV_TILES``'s entry for (M, N, K) (only ``block_n``, ``block_k``,
     ``split_k``, ``num_warps``, ``num_stages`` are used); ``counters`` (``triton_splitk.split_counters``) to a
     fresh zeroed buffer when the configuration splits K."""
@@ -131,7 +133,7 @@ def gemv_linear(
         raise ValueError(f"x: in_features {k} != weight in_features {weight.shape[1]}")
     if x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"gemv_linear takes bf16 / fp16 x and weight of one dtype, got {x.dtype}, {weight.dtype}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

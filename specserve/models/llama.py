@@ -249,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return dense_linear(hidden, weight).float()
+        return dense_linear(hidden, weight, float_out=True)
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -177,10 +177,38 @@ def test_compute_logits_routes_through_dense_linear(monkeypatch) -> None:
     """The LM head's 16-bit path is ``dense_linear`` (so ``BF16_GEMV_MAX_ROWS`` covers it too)."""
     from specserve.models import llama
     seen: list = []
-    monkeypatch.setattr(llama, "dense_linear", lambda x, w, b=None: seen.append(w) or F.linear(x, w, b))
+    monkeypatch.setattr(llama, "dense_linear",
+                        lambda x, w, b=None, float_out=False: seen.append((w, float_out)) or F.linear(x, w, b).float())
     model = llama.LlamaForCausalLM.__new__(llama.LlamaForCausalLM)
     torch.nn.Module.__init__(model)
     model._quant_head, model._packed_head, model.lm_head = None, None, None
     model.embed_tokens = torch.nn.Embedding(10, 8)
     logits = model.compute_logits(torch.randn(2, 8))
-    assert logits.shape == (2, 10) and logits.dtype == torch.float32 and seen[0] is model.embed_tokens.weight
+    assert logits.shape == (2, 10) and logits.dtype == torch.float32
+    assert seen[0][0] is model.embed_tokens.weight and seen[0][1]  # the head asks for float32 logits
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_float_out_skips_the_16_bit_rounding(gemv, monkeypatch, m: int) -> None:
+    """``dense_linear(float_out=True)`` (the LM head): through the GEMV the fp32 sums come back unrounded (the fp64
+    bound at fp32's half ulp, which the bf16 result misses); off the GEMV's rows ``F.linear(...).float()`` exactly
+    on CPU (on CUDA cuBLAS writes fp32 itself)."""
+    monkeypatch.setattr(linear_mod, "GEMV_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(quant_tiles, "BF16_GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(quant_tiles, "BF16_GEMV_MIN_WEIGHT", 0)
+    x, w, _ = _case(m, 37, 96, torch.bfloat16, False, seed=11)
+    with override(BF16_GEMV_TILES, {4: CFG}):
+        out = linear_mod.dense_linear(x, w, float_out=True)
+        rounded = linear_mod.dense_linear(x, w)
+    assert out.dtype == torch.float32 and out.shape == (m, 37)
+    ref = _fp64(x, w, None)
+    if m == 1:
+        assert_rounded_from(out, ref)
+        assert torch.equal(out.to(torch.bfloat16), rounded)  # the same sums, rounded once more
+        assert not torch.equal(out, rounded.float())
+    elif DEVICE.type == "cpu":
+        assert torch.equal(out, F.linear(x, w).float())
+    else:
+        assert_rounded_from(out, ref, rtol=1e-4)
+    f32 = torch.randn(m, 96, device=DEVICE)
+    assert torch.equal(linear_mod.dense_linear(f32, w.float(), float_out=True), F.linear(f32, w.float()))

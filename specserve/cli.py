@@ -64,7 +64,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="N,N,...", help="batch-size buckets captured (a step pads to the next one)")
     g.add_argument("--cuda-graph-max-query-len", type=int, default=CudaGraphConfig.max_query_len,
                    help="longest query (1 + drafts) a captured step may have; longer ones run eagerly")
-    g.add_argument("--cuda-graph-draft-steps", action="store_true",
+    g.add_argument("--cuda-graph-draft-steps", action=argparse.BooleanOptionalAction,
+                   default=CudaGraphConfig.draft_steps,
                    help="also capture an EAGLE-3 head's draft steps 2..k (one graph per batch bucket and k)")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")

@@ -99,9 +99,9 @@ def test_cuda_graph_flags():
     graphs = engine_config_from_args(args).cuda_graphs
     assert not graphs.enabled and graphs.batch_sizes == (1, 2, 8) and graphs.max_query_len == 5
     default = engine_config_from_args(build_parser().parse_args(["serve"])).cuda_graphs
-    assert default.enabled and not default.draft_steps
-    args = build_parser().parse_args(["serve", "--cuda-graph-draft-steps"])
-    assert engine_config_from_args(args).cuda_graphs.draft_steps
+    assert default.enabled and default.draft_steps
+    args = build_parser().parse_args(["serve", "--no-cuda-graph-draft-steps"])
+    assert not engine_config_from_args(args).cuda_graphs.draft_steps
 
 
 def test_bad_cuda_graph_flag_names_the_flag():

@@ -164,11 +164,16 @@ def engine_host_phases(model, config, device: torch.device, batch: int, prompt_l
         engine.step()
     for _ in range(3):
         engine.step()
+    import specserve.engine.cuda_graphs as graphs_mod
+    real_replay = torch.cuda.CUDAGraph.replay
     wrap(engine.scheduler, "schedule", None, "scheduled")
     wrap(engine.runner.graphs, "run", "run_start", "run_end")
     wrap(engine_mod, "verify", "verify_start", "verify_end")
+    wrap(graphs_mod, "padded_step_values", "values_start", "values_end")
+    wrap(engine.runner.graphs, "_load", "load_start", "load_end")
+    wrap(torch.cuda.CUDAGraph, "replay", "replay_start", "replay_end")
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "graph_run", "logits", "verify",
-                                                         "commit", "step")}
+                                                         "commit", "step", "run.values", "run.load", "run.replay")}
     for _ in range(steps):
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -178,10 +183,13 @@ def engine_host_phases(model, config, device: torch.device, batch: int, prompt_l
         for name, a, b in (("schedule", t0, m["scheduled"]), ("prepare", m["scheduled"], m["run_start"]),
                            ("graph_run", m["run_start"], m["run_end"]), ("logits", m["run_end"], m["verify_start"]),
                            ("verify", m["verify_start"], m["verify_end"]), ("commit", m["verify_end"], t1),
-                           ("step", t0, t1)):
+                           ("step", t0, t1), ("run.values", m["values_start"], m["values_end"]),
+                           ("run.load", m["load_start"], m["load_end"]),
+                           ("run.replay", m["replay_start"], m["replay_end"])):
             phases[name].append((b - a) * 1e6)
     while engine.has_unfinished():
         engine.step()
+    torch.cuda.CUDAGraph.replay = real_replay
     return {k: statistics.median(v) for k, v in phases.items()}
 
 

@@ -56,6 +56,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit (prompt + output tokens) per request")
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step instead of budget-sized chunks")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next plain decode step before committing the previous one (default: on with "
+                        "CUDA, off on CPU)")
     g = p.add_argument_group("CUDA graphs", "decode and verify steps replayed from graphs captured per batch "
                              "bucket (GPU with the Triton attention backend only)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -131,7 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,
-                                  max_model_len=args.max_model_len),
+                                  max_model_len=args.max_model_len, async_scheduling=args.async_scheduling),
         speculative=spec_config_from_args(args),
         cuda_graphs=cuda_graph_config_from_args(args),
     )

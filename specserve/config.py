@@ -68,12 +68,17 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching: FCFS, a per-step token budget, a cap on running sequences."""
+    """Continuous batching: FCFS, a per-step token budget, a cap on running sequences.
+
+    ``async_scheduling``: launch the next plain decode step before committing the previous one, so the host's
+    work overlaps the device's (``engine/engine.py``). None: on with CUDA, off on CPU (where the forward itself
+    runs on the host, so nothing would overlap)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")

@@ -338,10 +338,13 @@ class CudaGraphRunner:
         seq_lens: list[int],  # [num_seqs]
         block_tables: list[list[int]],  # [num_seqs][num_blocks of the sequence]
         aux_layer_ids: tuple[int, ...] = (),
+        input_ids_device: torch.Tensor | None = None,  # [num_tokens] int64 (decode only): replaces input_ids
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A step that ``fits()`` -> ``(hidden [num_tokens, hidden_size], aux hidden list in ascending layer id
         order)`` in packed token order, like ``ModelRunner.forward``. When no row was padded, ``hidden`` is a
-        view of ``hidden_out`` valid until the next ``run``; otherwise (and for aux) a gathered copy."""
+        view of ``hidden_out`` valid until the next ``run``; otherwise (and for aux) a gathered copy.
+        ``input_ids_device`` (a decode step, q = 1: token i is row i): copied over the staged ids on the device,
+        after the host values and before the replay (stream order)."""
         num_seqs, num_tokens = len(seq_lens), len(input_ids)
         bucket = self.bucket_for(num_seqs)
         assert bucket is not None and self.fits(query_lens, seq_lens), "step does not fit the static buffers"
@@ -350,6 +353,10 @@ class CudaGraphRunner:
         values, width = padded_step_values(input_ids, positions, query_lens, seq_lens, block_tables, q, bucket,
                                            self.block_size)
         self._load(values, bucket, q, width)
+        if input_ids_device is not None:
+            if q != 1:
+                raise ValueError("input_ids_device: only for decode steps (one token per sequence)")
+            self.staging[:num_tokens].copy_(input_ids_device)
         if step.graph is not None:
             step.graph.replay()
             self.num_replays += 1

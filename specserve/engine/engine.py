@@ -1,6 +1,21 @@
 """The synchronous engine: ``step()`` = schedule, run, verify, commit, draft. One call advances every running
 request by one prefill chunk, or by 1 to ``1 + num_spec_tokens`` tokens when it decodes.
 
+Asynchronous decode steps (``SchedulerConfig.async_scheduling``, on by default on CUDA). A decode step waits for
+its tokens only to commit them, and the next step needs them only as input ids, which can stay on the device.
+So when a step is a plain decode (every request decoding one token, none speculating) and the next one is
+certain to be the same requests decoding again (nothing waiting, no request at its length limit, KV blocks
+for all), ``step()`` schedules and launches the next step first and commits the previous one while the GPU
+runs it: the host's schedule / prepare / commit time hides behind the device's work. Each call then returns
+the outputs of the step before the one it launched (the first call of a run of decode steps returns none):
+
+    call k:   schedule N+1 (pending tokens of N counted) -> launch N+1 (ids = N's samples, on the device)
+              -> wait for N's tokens -> commit N (stop conditions, text) -> return N's outputs
+
+A request that finishes when N commits (EOS, a stop string, an abort) still has a row in N+1: its result is
+dropped, and its KV blocks, freed at once, are reused only by later steps (stream order). Any other step
+(prefill chunks, speculation, a new arrival, a full cache) runs synchronously after the pending step commits.
+
 Speculative decoding is part of every step, not a separate loop: a decoding request carries the drafts its
 proposer made at the end of the previous step; the scheduler gives it ``1 + num_drafts`` query tokens; the
 target scores them all in the same ragged forward as everyone else's prefill chunks and decode tokens; the
@@ -13,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,6 +39,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Request, RequestOutput
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.stats import RequestStats, StepStats
+from specserve.layers.sampler import sample_on_device
 from specserve.sampling import SamplingParams
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
 from specserve.spec.proposer import Proposer, VerifiedChunk
@@ -32,6 +49,14 @@ from specserve.spec.verify import verify
 class MetricsSink(Protocol):
     def record_step(self, stats: StepStats) -> None: ...
     def record_request(self, stats: RequestStats) -> None: ...
+
+
+@dataclass
+class InFlightStep:
+    """A launched decode step whose tokens have not been read back (asynchronous decode steps)."""
+
+    sched: SchedulerOutput
+    token_ids: torch.Tensor  # [num_scheduled] int64 on the device, one sampled token per request, scheduled order
 
 
 class LLMEngine:
@@ -68,6 +93,9 @@ class LLMEngine:
         self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
                                       self.aux_layer_ids, startup_query_lens)
         self._setup_draft_graphs(config, model)
+        async_scheduling = config.scheduler.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: InFlightStep | None = None
 
     def _setup_draft_graphs(self, config: EngineConfig, model) -> None:
         """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's draft steps 2..k
@@ -141,7 +169,7 @@ class LLMEngine:
         return self._finalize(req, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -153,18 +181,23 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._in_flight is not None:  # an asynchronous decode step is running
+            previous, self._in_flight = self._in_flight, None
+            try:
+                if self._next_decode_is_certain(previous):
+                    self._in_flight = self._launch_decode(self.scheduler.schedule(), previous.token_ids)
+            finally:
+                outputs = self._commit_decode(previous)
+            return outputs
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
         if sched.is_empty:
             return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        self.runner.copy_blocks(self.block_manager.pending_copies)
-        self.block_manager.pending_copies.clear()
-        tables = [self.block_manager.block_table(s.request.request_id) for s in sched.scheduled]
+        if self.async_scheduling and self._is_plain_decode(sched):
+            self._in_flight = self._launch_decode(sched, None)
+            return []
+        tables = self._prepare(sched)
         out = self.runner.execute(sched, tables, self.aux_layer_ids)
         sampling = [s for s in sched.scheduled if s.samples]
         drafts = [s.request.spec_token_ids[:s.num_spec_tokens] for s in sampling]
@@ -198,6 +231,74 @@ class LLMEngine:
                 emitted_per_step.setdefault(s.request.spec.method, []).append(len(o.new_token_ids))
         self._draft(chunks, out.aux_hidden)
         self._record_step(sched, sum(len(o.new_token_ids) for o in outputs), step_spec, emitted_per_step)
+        return outputs
+
+    def _prepare(self, sched: SchedulerOutput) -> list[list[int]]:
+        """Timestamps, pending copy-on-write block copies; returns the scheduled requests' block tables."""
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        self.runner.copy_blocks(self.block_manager.pending_copies)
+        self.block_manager.pending_copies.clear()
+        return [self.block_manager.block_table(s.request.request_id) for s in sched.scheduled]
+
+    # ---- asynchronous decode steps (module docstring) ----------------------------------------------
+    @staticmethod
+    def _is_plain_decode(sched: SchedulerOutput) -> bool:
+        """Every scheduled request decodes one token without drafts and without speculation (a speculating
+        request's proposer must see each step's tokens before the next step), and nobody was preempted."""
+        return not sched.preempted and all(
+            s.num_new_tokens == 1 and s.num_spec_tokens == 0 and s.samples and not s.request.spec.enabled
+            for s in sched.scheduled)
+
+    def _next_decode_is_certain(self, previous: InFlightStep) -> bool:
+        """Whether the next ``schedule()`` will give exactly ``previous``'s requests, in the same order, one
+        token each, without preempting anyone, whatever tokens ``previous`` sampled (its tokens are pending)."""
+        if not self.async_scheduling or self.scheduler.waiting:
+            return False
+        running = self.scheduler.running
+        scheduled = previous.sched.scheduled
+        if len(running) != len(scheduled) or any(r is not s.request for r, s in zip(running, scheduled)):
+            return False  # a request finished, was aborted or joined since
+        if len(running) > self.config.scheduler.max_num_batched_tokens:
+            return False
+        bm = self.block_manager
+        needed = 0
+        for r in running:
+            # the step after previous samples token number len(output_ids) + num_pending_tokens + 1
+            if len(r.output_ids) + r.num_pending_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                return False
+            if not bm.can_allocate(r.request_id, 1):
+                return False
+            needed += bm.blocks_needed(r.request_id, 1)
+        return needed <= bm.num_free_blocks
+
+    def _launch_decode(self, sched: SchedulerOutput, input_ids_device: torch.Tensor | None) -> InFlightStep:
+        """Run a plain decode step up to its sampled tokens, on the device, without waiting for them; its requests
+        count the tokens as pending. ``input_ids_device``: the previous in-flight step's samples (same order)."""
+        assert self._is_plain_decode(sched), "an asynchronous step must be a plain decode step"
+        tables = self._prepare(sched)
+        out = self.runner.execute(sched, tables, self.aux_layer_ids, input_ids_device)
+        requests = [s.request for s in sched.scheduled]
+        token_ids = sample_on_device(out.logits, [r.params for r in requests], [r.generator for r in requests],
+                                     self.generator)  # [num_scheduled]
+        for r in requests:
+            r.num_computed_tokens += 1
+            r.num_pending_tokens += 1
+        return InFlightStep(sched, token_ids)
+
+    def _commit_decode(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read an in-flight step's tokens (waits for it) and commit them; requests that finished meanwhile (their
+        row was computed for nothing) are skipped."""
+        token_ids = step.token_ids.tolist()
+        outputs = []
+        for s, tok in zip(step.sched.scheduled, token_ids):
+            req = s.request
+            req.num_pending_tokens -= 1
+            if not req.finished:
+                outputs.append(self._commit(req, [tok]))
+        self._record_step(step.sched, sum(len(o.new_token_ids) for o in outputs), {}, {})
         return outputs
 
     def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
@@ -248,7 +349,7 @@ class LLMEngine:
                 reason = self._append_text(req, tok)
             if reason is None and len(req.output_ids) >= p.max_tokens:
                 reason = "length"
-            if reason is None and req.num_tokens >= self.max_model_len:
+            if reason is None and req.num_committed_tokens >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 self.scheduler.finish(req, reason)

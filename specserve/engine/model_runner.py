@@ -123,8 +123,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
-                aux_layer_ids: tuple[int, ...] = ()) -> StepOutput:
-        """One packed forward over the scheduled tokens (draft tokens appended after each request's own)."""
+                aux_layer_ids: tuple[int, ...] = (),
+                input_ids_device: torch.Tensor | None = None,  # [num_scheduled] int64: the previous step's samples
+                ) -> StepOutput:
+        """One packed forward over the scheduled tokens (draft tokens appended after each request's own).
+
+        ``input_ids_device``: a decode step (one new token per request) whose tokens are still on the device,
+        sampled by the previous step in this step's request order (asynchronous decode steps, ``engine.py``);
+        the host-side ids are then placeholders and never read."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -144,10 +150,14 @@ class ModelRunner:
             if s.samples:
                 logit_starts.append(len(logit_rows))
                 logit_rows.extend(range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids)))
+        if input_ids_device is not None and not len(input_ids_device) == len(input_ids) == len(sched.scheduled):
+            raise ValueError("input_ids_device: one id per scheduled request, each decoding one token")
         if self.graphs is not None and self.graphs.fits(query_lens, seq_lens):
-            hidden, aux = self.graphs.run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+            hidden, aux = self.graphs.run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids,
+                                          input_ids_device)
         else:
-            hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+            hidden, aux = self.forward(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids,
+                                       input_ids_device)
         if len(logit_rows) == len(input_ids):  # every token samples (decode): the rows are 0..n-1, no gather
             logits = self.model.compute_logits(hidden)
         else:
@@ -157,10 +167,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
-                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = ()):
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = (),
+                input_ids_device: torch.Tensor | None = None):  # [num_tokens] int64, replaces input_ids
         """Host lists of a packed ragged batch -> ``(hidden [num_tokens, hidden_size], aux hidden list)``."""
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
         self.backend.prepare(meta, self.block_size)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        ids = input_ids_device if input_ids_device is not None else torch.tensor(input_ids, dtype=torch.int64,
+                                                                                   device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return self.model(ids, pos, self.kv_caches, meta, self.backend, aux_layer_ids)

@@ -5,6 +5,13 @@ sampled token has no KV yet, so a decoding request schedules ``num_tokens - num_
 token, plus its draft tokens ``spec_token_ids`` when it speculates; a request preempted by recompute
 restarts at ``num_computed_tokens = 0`` and prefills its prompt and its outputs again before sampling the
 next token.
+
+Asynchronous decode steps (``engine.py``) schedule a step before the previous one's tokens reach the host:
+those tokens are pending (``num_pending_tokens``): counted in ``num_tokens``, read as ``PENDING_TOKEN_ID`` by
+``token_at`` / ``token_slice`` (the runner takes them from the device), and appended to ``output_ids`` when
+the step that sampled them is committed.
+
+    prompt [p0 p1 p2], output_ids [o0], 1 pending:  num_tokens 5, token_slice(3, 5) == [o0, -1]
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import torch
 
 from specserve.sampling import SamplingParams
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
+
+PENDING_TOKEN_ID = -1  # a sampled token still on the device (see num_pending_tokens)
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +59,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by a step not yet committed (asynchronous decode steps)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # per-request seeded sampling
@@ -74,6 +84,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending_tokens
+
+    @property
+    def num_committed_tokens(self) -> int:
+        """Prompt and committed output tokens (``num_tokens`` without the pending ones)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -82,12 +97,19 @@ class Request:
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+        if index < n:
+            return self.prompt_ids[index]
+        return self.output_ids[index - n] if index - n < len(self.output_ids) else PENDING_TOKEN_ID
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        known = self.num_committed_tokens
+        pending = [PENDING_TOKEN_ID] * (stop - max(start, known)) if stop > known else []
+        stop = min(stop, known)
         n = len(self.prompt_ids)
+        if start >= stop:
+            return pending
         if stop <= n:
-            return self.prompt_ids[start:stop]
+            return self.prompt_ids[start:stop] + pending
         if start >= n:
-            return self.output_ids[start - n:stop - n]
-        return self.prompt_ids[start:] + self.output_ids[:stop - n]
+            return self.output_ids[start - n:stop - n] + pending
+        return self.prompt_ids[start:] + self.output_ids[:stop - n] + pending

@@ -62,3 +62,23 @@ def sample(
         gen = generators[i] or default_generator
         out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
     return out
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    params: list[SamplingParams],  # [num_rows]
+    generators: list[torch.Generator | None],  # [num_rows]; None -> default_generator
+    default_generator: torch.Generator,
+) -> torch.Tensor:  # [num_rows] int64, on logits' device
+    """``sample`` without reading the tokens back: the same draws (the same generator calls, in the same order,
+    on the same rows), left on the device so that the next step can take them as its input ids before the host
+    has seen them (the engine's asynchronous decode steps)."""
+    out = logits.argmax(dim=-1)  # [num_rows]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return out
+    probs = target_probs(logits[random_rows], [params[i] for i in random_rows])
+    drawn = [torch.multinomial(probs[j], 1, generator=generators[i] or default_generator)
+             for j, i in enumerate(random_rows)]
+    out[torch.tensor(random_rows, device=logits.device)] = torch.cat(drawn)
+    return out

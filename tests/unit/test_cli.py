@@ -104,6 +104,14 @@ def test_cuda_graph_flags():
     assert not engine_config_from_args(args).cuda_graphs.draft_steps
 
 
+def test_async_scheduling_flag():
+    def scheduler(*flags):
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags])).scheduler
+    assert scheduler().async_scheduling is None  # the engine decides: on with CUDA, off on CPU
+    assert scheduler("--async-scheduling").async_scheduling is True
+    assert scheduler("--no-async-scheduling").async_scheduling is False
+
+
 def test_bad_cuda_graph_flag_names_the_flag():
     from specserve.cli import config_error_message
     args = build_parser().parse_args(["serve", "--cuda-graph-batch-sizes", "8,4"])

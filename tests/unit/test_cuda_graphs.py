@@ -93,11 +93,13 @@ class SlotWatch:
     def __init__(self, graphs: CudaGraphRunner, block_size: int):
         self.graphs, self.block_size = graphs, block_size
         self.steps: list[tuple[int, int, int]] = []  # (num_seqs, bucket, query_len)
+        self.device_ids = 0  # steps whose input ids came from the device (asynchronous decode steps)
         run = graphs.run
 
-        def watched(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids=()):
+        def watched(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids=(), input_ids_device=None):
             before = [(k.clone(), v.clone()) for k, v in graphs.kv_caches]
-            out = run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids)
+            out = run(input_ids, positions, query_lens, seq_lens, block_tables, aux_layer_ids, input_ids_device)
+            self.device_ids += input_ids_device is not None
             allowed = set()
             for n, s_len, table in zip(query_lens, seq_lens, block_tables):
                 for p in range(s_len - n, s_len):
@@ -126,10 +128,13 @@ BACKENDS = {"torch": TorchAttentionBackend, "cpu": make_cpu_backend}
 @pytest.mark.parametrize("num_prompts", [3, 5])
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["decode", "ngram"])
 def test_static_path_equals_eager_path(backend, num_prompts, spec):
+    """The static (graph) path equals the eager one; with asynchronous decode steps on the static path (the
+    GPU default: plain decode steps take their ids from the device) too."""
     ps = prompts([5, 17, 3, 9, 12][:num_prompts], seed=num_prompts)
     outs, caches = [], []
     for static in (False, True):
         engine = tiny_engine(max_num_batched_tokens=64, max_num_seqs=8, spec=spec)
+        engine.async_scheduling = static
         engine.runner.backend = BACKENDS[backend]()
         random_caches(engine)
         if static:
@@ -145,6 +150,9 @@ def test_static_path_equals_eager_path(backend, num_prompts, spec):
     assert any(n == num_prompts and b == {3: 4, 5: 8}[num_prompts] for n, b, _ in watch.steps)
     if spec is not None:
         assert any(q > 1 for _, _, q in watch.steps)  # verify steps went through the static path
+        assert watch.device_ids == 0  # speculating requests never run asynchronously
+    else:
+        assert watch.device_ids > 0
     for (k0, v0), (k1, v1) in zip(*caches):
         torch.testing.assert_close(k1, k0, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v1, v0, atol=1e-4, rtol=1e-4)

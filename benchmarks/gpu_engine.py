@@ -120,7 +120,8 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, prompt_len: int, steps: int,
                       warmup: int = 3) -> dict:
-    """Median wall time of ``engine.step()`` once all ``batch`` requests decode (prefill steps excluded)."""
+    """Median wall time of back-to-back ``engine.step()`` calls once all ``batch`` requests decode (prefill steps
+    excluded; no device sync between calls, see below)."""
     vocab = engine.model_config.vocab_size
     profile_steps = 10 if batch == 1 else 0
     params = SamplingParams(max_tokens=steps + warmup + profile_steps + 8, temperature=0.0, ignore_eos=True)
@@ -128,22 +129,29 @@ def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, promp
         engine.add_request(f"d{batch}-{i}", p, params, SPEC_OFF)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
+    # No device sync between steps: with asynchronous decode steps (the CUDA default) a step() call launches the
+    # next step and then waits for the previous one, and a sync after each call would idle the GPU during the
+    # host's launch work, which the engine hides when it runs alone. Each call still waits for one step, so in the
+    # steady state a call's wall time is one step; the whole run is synced once at each end (``mean_step_s``).
+    for _ in range(warmup):
+        engine.step()
+    sync(device)
     times, contexts = [], []
-    for i in range(steps + warmup):
+    start = time.perf_counter()
+    for _ in range(steps):
         contexts.append(statistics.mean(r.num_tokens for r in engine.requests.values()))
-        sync(device)
         t0 = time.perf_counter()
         engine.step()
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    sync(device)
+    mean_step = (time.perf_counter() - start) / steps
     # While every request still decodes, the static buffers hold this batch's last decode step: replay it alone.
     replay = time_graph_replay(engine, batch) if device.type == "cuda" else None
     host_profile = profile_steps_host(engine, profile_steps) if profile_steps else None
     while engine.has_unfinished():
         engine.step()
-    return {"median_step_s": statistics.median(times), "min_step_s": min(times), "steps": len(times),
-            "mean_context": statistics.mean(contexts[warmup:]), "graph_replay_s": replay,
+    return {"median_step_s": statistics.median(times), "min_step_s": min(times), "mean_step_s": mean_step,
+            "steps": len(times), "mean_context": statistics.mean(contexts), "graph_replay_s": replay,
             "host_profile": host_profile}
 
 
@@ -274,7 +282,8 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     wbytes = step_weight_bytes(model)
     kv_tok = kv_bytes_per_token(config, dtype)
     out = {"shape": args.big_shape, "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
-           "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "by_batch": {}}
+           "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "async_scheduling": engine.async_scheduling,
+           "by_batch": {}}
     rep.data["decode"] = out
     for b in args.batches:
         r = time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)

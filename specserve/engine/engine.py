@@ -57,6 +57,10 @@ class InFlightStep:
 
     sched: SchedulerOutput
     token_ids: torch.Tensor  # [num_scheduled] int64 on the device, one sampled token per request, scheduled order
+    # [num_scheduled] int64 host copy, filled by a copy queued right after the sampling, so that reading it waits
+    # for this step only, not for the step launched after it on the same stream
+    host_token_ids: torch.Tensor
+    copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA, where the copy is synchronous)
 
 
 class LLMEngine:
@@ -286,12 +290,20 @@ class LLMEngine:
         for r in requests:
             r.num_computed_tokens += 1
             r.num_pending_tokens += 1
-        return InFlightStep(sched, token_ids)
+        if token_ids.device.type != "cuda":
+            return InFlightStep(sched, token_ids, token_ids, None)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return InFlightStep(sched, token_ids, host, copied)
 
     def _commit_decode(self, step: InFlightStep) -> list[RequestOutput]:
         """Read an in-flight step's tokens (waits for it) and commit them; requests that finished meanwhile (their
         row was computed for nothing) are skipped."""
-        token_ids = step.token_ids.tolist()
+        if step.copied is not None:
+            step.copied.synchronize()  # this step's tokens, not the one launched after it
+        token_ids = step.host_token_ids.tolist()
         outputs = []
         for s, tok in zip(step.sched.scheduled, token_ids):
             req = s.request

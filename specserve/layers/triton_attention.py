@@ -321,20 +321,24 @@ class TritonAttentionBackend:
     ``num_splits``: key-range splits per short sequence in ``_decode_kernel``. ``None`` picks a value per step
     from the batch (more splits when few (sequence, kv head) programs would leave SMs idle and sequences are
     long); an integer fixes it, which a CUDA-graph runner should do so that a captured step keeps its launch
-    grid. ``block_n``: keys per tile (a power of two, at least 16).
+    grid. ``block_n``: keys per tile (a power of two, at least 16). ``decode_warps``: warps per decode program
+    (None: 4, or 8 for tiles over 64 x 128).
 
     For CUDA graphs, ``prepare_static`` builds the same index set from device tensors of a fixed shape (a padded
     uniform batch, see ``engine/cuda_graphs.py``) and pins the step's ``num_splits``."""
 
     capturable = True
 
-    def __init__(self, num_splits: int | None = None, block_n: int = 64) -> None:
+    def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         if block_n < 16 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        if decode_warps is not None and decode_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"decode_warps must be a power of two in [1, 16], got {decode_warps}")
         self.num_splits = num_splits
         self.block_n = block_n
+        self.decode_warps = decode_warps  # warps of a _decode_kernel program (None: by tile size)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host lists -> the kernels' index tensors, in one host-to-device copy per step.
@@ -489,7 +493,7 @@ class TritonAttentionBackend:
                 num_heads, num_splits, head_dim, qk_scale,
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
                 HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
-                num_warps=_num_warps(block_m, head_dim_pad), num_stages=2)
+                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=2)
             if split:
                 _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](
                     out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"],

@@ -149,8 +149,10 @@ def bench_config(shape: str, batch: int, context: int, query_len: int, args, gen
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q32, k32, v32 = split_qkv(qkv.float(), num_heads, num_kv_heads, head_dim)
     torch_backend = TorchAttentionBackend()
-    triton_backend = TritonAttentionBackend(num_splits=args.num_splits, block_n=args.block_n,
-                                            decode_warps=args.decode_warps)
+    def triton(num_splits: int | None) -> TritonAttentionBackend:
+        return TritonAttentionBackend(num_splits=num_splits, block_n=args.block_n, decode_warps=args.decode_warps,
+                                      decode_block_n=args.decode_block_n)
+    triton_backend = triton(args.num_splits)
     ref32, _, _ = run(torch_backend, meta, q32, k32, v32, k_cache.float(), v_cache.float())
     ref_bf16, ref_k, ref_v = run(torch_backend, meta, q, k, v, k_cache, v_cache)
     out_bf16, out_k, out_v = run(triton_backend, meta, q, k, v, k_cache, v_cache)
@@ -181,7 +183,7 @@ def bench_config(shape: str, batch: int, context: int, query_len: int, args, gen
     row["triton_us"] = time_forward(lambda: triton_backend.forward(q, k, v, kc, vc, triton_meta), args.warmup,
                                     args.iters)
     if splits > 1:
-        one_split = TritonAttentionBackend(num_splits=1, block_n=args.block_n, decode_warps=args.decode_warps)
+        one_split = triton(1)
         out_one, _, _ = run(one_split, meta, q, k, v, k_cache, v_cache)
         err_one = (out_one.float() - out_bf16.float()).abs().max().item()
         if not (err_one <= BF16_ATOL):
@@ -192,8 +194,7 @@ def bench_config(shape: str, batch: int, context: int, query_len: int, args, gen
                                                args.iters)
 
     if not args.no_graph:
-        fixed = TritonAttentionBackend(num_splits=splits, block_n=args.block_n,
-                                       decode_warps=args.decode_warps)  # a captured step keeps its grid
+        fixed = triton(splits)  # a captured step keeps its grid
         graph_meta = own_meta(meta)
         fixed.prepare(graph_meta, BLOCK_SIZE)
         try:
@@ -223,6 +224,7 @@ def main() -> int:
     ap.add_argument("--query-lens", default="1,2,4,8")
     ap.add_argument("--num-splits", type=int, default=None, help="fixed split-KV count (default: auto per step)")
     ap.add_argument("--block-n", type=int, default=64, help="keys per tile of the Triton kernels")
+    ap.add_argument("--decode-block-n", type=int, default=None, help="keys per decode tile (default: by head size)")
     ap.add_argument("--decode-warps", type=int, default=None, help="warps per decode program (default: by tile)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)

@@ -149,6 +149,7 @@ BF16_GEMV_TILES = TileTable(
 
 # Fuse the per-token FP8 activation quantizer into the ops that produce the qkv / gate_up / down inputs
 # (TritonOps.rms_norm_fp8 / fused_add_rms_norm_fp8 / silu_and_mul_fp8, read at call time by models/llama.py,
-# so set it before the engine captures its CUDA graphs): 3 fewer launches per layer, the same e4m3 bits. Off
-# until timed on a GPU (benchmarks/fp8_b1_quick.py --fuse-act-quant).
-FUSE_FP8_ACT_QUANT = False
+# so set it before the engine captures its CUDA graphs): 3 fewer launches per layer, the same e4m3 bits (checked
+# on the H200: fused_bitwise). On: with asynchronous decode steps the b=1 FP8 step went from 3.33 to 3.24 ms
+# (benchmarks/results/fp8_b1_session13.json; under a per-step device sync it had measured no gain).
+FUSE_FP8_ACT_QUANT = True

@@ -46,6 +46,8 @@ LOG2E = 1.4426950408889634
 PREFILL_TILE_TOKENS = (16, 32, 64)
 # Fewest keys worth a split of their own when num_splits is chosen automatically.
 MIN_KEYS_PER_SPLIT = 256
+# Keys per decode tile for heads of 128 or more (TritonAttentionBackend.decode_tile_keys).
+DECODE_BLOCK_N_WIDE_HEADS = 128
 MAX_AUTO_SPLITS = 16
 
 
@@ -321,15 +323,17 @@ class TritonAttentionBackend:
     ``num_splits``: key-range splits per short sequence in ``_decode_kernel``. ``None`` picks a value per step
     from the batch (more splits when few (sequence, kv head) programs would leave SMs idle and sequences are
     long); an integer fixes it, which a CUDA-graph runner should do so that a captured step keeps its launch
-    grid. ``block_n``: keys per tile (a power of two, at least 16). ``decode_warps``: warps per decode program
-    (None: 4, or 8 for tiles over 64 x 128).
+    grid. ``block_n``: keys per tile (a power of two, at least 16); ``decode_block_n`` overrides it for the decode
+    kernel (default: ``decode_tile_keys``). ``decode_warps``: warps per decode program (None: 4, or 8 for query
+    tiles over 64 x 128).
 
     For CUDA graphs, ``prepare_static`` builds the same index set from device tensors of a fixed shape (a padded
     uniform batch, see ``engine/cuda_graphs.py``) and pins the step's ``num_splits``."""
 
     capturable = True
 
-    def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None,
+                 decode_block_n: int | None = None) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         if block_n < 16 or block_n & (block_n - 1):
@@ -339,6 +343,18 @@ class TritonAttentionBackend:
         self.num_splits = num_splits
         self.block_n = block_n
         self.decode_warps = decode_warps  # warps of a _decode_kernel program (None: by tile size)
+        if decode_block_n is not None and (decode_block_n < 16 or decode_block_n & (decode_block_n - 1)):
+            raise ValueError(f"decode_block_n must be a power of two >= 16, got {decode_block_n}")
+        self.decode_block_n = decode_block_n
+
+    def decode_tile_keys(self, head_dim_pad: int) -> int:
+        """Keys per tile of the decode kernel: ``decode_block_n``, else ``DECODE_BLOCK_N_WIDE_HEADS`` for heads of
+        128 or more (timed on the H200, benchmarks/results/attention_tiles_gpu.json: Llama-3.1-8B shape, one
+        layer, CUDA graph, 11.9 vs 13.0 us at batch 1, 28.0 vs 30.0 at batch 32, 31.9 vs 33.6 for 8-token verify
+        rows), else ``block_n``."""
+        if self.decode_block_n is not None:
+            return self.decode_block_n
+        return DECODE_BLOCK_N_WIDE_HEADS if head_dim_pad >= 128 else self.block_n
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host lists -> the kernels' index tensors, in one host-to-device copy per step.
@@ -491,7 +507,7 @@ class TritonAttentionBackend:
                 extra["short_seq_ids"], split_out, split_lse,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
                 num_heads, num_splits, head_dim, qk_scale,
-                GROUP=group, BLOCK_M=block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
+                GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad), BLOCK_SIZE=block_size,
                 HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
                 num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=2)
             if split:

@@ -262,3 +262,18 @@ def test_engine_static_padded_path_on_triton_backend():
             assert runner.graphs.replays_by_query_len.get(1, 0) > 0
             assert any(q > 1 for q in runner.graphs.replays_by_query_len)
     assert outs[1] == outs[0]
+
+
+def test_decode_tile_keys_by_head_size_and_override():
+    """Heads of 128 decode in tiles of 128 keys (timed faster on the H200), narrower heads keep ``block_n``;
+    ``decode_block_n`` overrides both, and the results match the reference across the 128-key tile edges."""
+    from specserve.layers.triton_attention import DECODE_BLOCK_N_WIDE_HEADS, TritonAttentionBackend
+    backend = TritonAttentionBackend()
+    assert backend.decode_tile_keys(128) == DECODE_BLOCK_N_WIDE_HEADS == 128 and backend.decode_tile_keys(64) == 64
+    assert TritonAttentionBackend(decode_block_n=32).decode_tile_keys(128) == 32
+    for bad in (dict(decode_block_n=48), dict(decode_warps=3)):
+        with pytest.raises(ValueError):
+            TritonAttentionBackend(**bad)
+    context_lens = [126, 127, 128, 129, 200]
+    check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128)
+    check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128, decode_block_n=32, num_splits=3)

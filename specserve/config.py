@@ -238,6 +238,9 @@ class TrainDraftConfig:
     # same schedule (training longer than one time-limited job). 0: steps from epochs / the time budget.
     total_steps: int = 0
     seed: int = 0
+    # a trained head (speculators directory) to start from instead of random weights: its draft vocabulary and
+    # weights are kept; method, num_layers and head_intermediate_size must build the same head
+    init_head: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in ("eagle3", "peagle"), "method", "must be eagle3 or peagle")

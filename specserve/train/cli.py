@@ -25,6 +25,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-data", nargs="+", default=None,
                    help="earlier runs' sample directories (data_train.npz + data_held_out.npz), both appended to "
                         "the training split only")
+    p.add_argument("--init-head", default=None,
+                   help="start from this trained head directory (speculators format: its weights and draft "
+                        "vocabulary; --method, --num-layers, --head-intermediate-size must match it)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -46,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     from specserve.train.pipeline import train_draft
 
     try:
-        cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS})
+        cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS}, init_head=args.init_head)
     except ValueError as exc:
         args.error(str(exc))
     if not args.prompts and not args.data:

@@ -121,7 +121,12 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
     report["num_train_samples"], report["num_held_out_samples"] = len(train), len(held)
     report["train_answer_tokens"] = sum(len(s.token_ids) - s.num_prompt for s in train)
     counts = token_counts(train, model_config.vocab_size)  # the target's own answers pick the draft vocabulary
-    draft_ids = draft_vocab(counts, min(cfg.draft_vocab_size, model_config.vocab_size))
+    if cfg.init_head:  # a warm start keeps the trained head's vocabulary (its lm_head rows are those tokens')
+        from specserve.train.trainer import init_head_draft_ids
+        draft_ids = init_head_draft_ids(cfg.init_head, model_config)
+        report["init_head"] = cfg.init_head
+    else:
+        draft_ids = draft_vocab(counts, min(cfg.draft_vocab_size, model_config.vocab_size))
     report["draft_vocab_coverage"] = coverage(counts, draft_ids)
     if cfg.dataset_answers and prompts:  # off-policy text from the training split's own answers
         train_convs, _, _ = load_conversations(cfg, expand_paths(prompts), per_file_limit)

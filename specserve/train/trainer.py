@@ -332,6 +332,20 @@ def _lr_at(step: int, total: int, cfg: TrainDraftConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def init_head_state(path: str | Path, target_config: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """The fp32 state of a trained head directory (speculators format), for ``TrainDraftConfig.init_head``."""
+    from specserve.spec.eagle_checkpoint import load_eagle_head
+    head = load_eagle_head(path, target_config.num_hidden_layers, target_config.vocab_size,
+                           target_config.max_position_embeddings, torch.float32, device)
+    return {k: v.detach() for k, v in head.state_dict().items()}
+
+
+def init_head_draft_ids(path: str | Path, target_config: ModelConfig) -> torch.Tensor:  # [draft_vocab_size] int64
+    """A trained head's draft vocabulary as target ids (``draft_id + d2t[draft_id]``), in draft order."""
+    d2t = init_head_state(path, target_config, torch.device("cpu"))["d2t"]
+    return d2t + torch.arange(len(d2t))
+
+
 class Trainer:
     def __init__(self, target, target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch.Tensor,
                  device: torch.device, out_dir: Path, progress: bool = True) -> None:
@@ -343,6 +357,8 @@ class Trainer:
         lm = target.lm_head.weight if target.lm_head is not None else target.embed_tokens.weight
         self.head = new_head(target_config, cfg, draft_ids, cfg.max_seq_len + cfg.num_spec_tokens + cfg.ttt_steps
                              + 2, device, lm.detach(), target.embed_tokens.weight.detach(), self.gen)
+        if cfg.init_head:
+            self._load_init_head(cfg.init_head, target_config)
         target.requires_grad_(False)
         if self.head.embed_tokens is None:
             self.head.target_embed = target.embed_tokens  # a submodule now: kept out of the optimiser and saves
@@ -352,6 +368,20 @@ class Trainer:
         self.best_step: int | None = None  # the step whose head ``fit`` kept, when held-out estimates ran
         self.progress = progress
         self.autocast = device.type == "cuda"
+
+    def _load_init_head(self, path: str, target_config: ModelConfig) -> None:
+        """Start from a trained head (``TrainDraftConfig.init_head``): the same tensors, names and shapes as the head
+        this configuration builds, and the same draft vocabulary, or a ValueError naming ``init_head``."""
+        trained = init_head_state(path, target_config, self.device)
+        mine = self.head.state_dict()
+        wrong = sorted({k for k in mine if k not in trained or trained[k].shape != mine[k].shape} | (trained.keys()
+                                                                                                  - mine.keys()))
+        if wrong:
+            raise ValueError(f"init_head: {path} is not the head this configuration builds (method, num_layers, "
+                             f"head_intermediate_size, draft vocabulary size); differs in {wrong[:4]}")
+        if not torch.equal(trained["d2t"].to(self.device), mine["d2t"]):
+            raise ValueError(f"init_head: {path} has another draft vocabulary than this run's")
+        self.head.load_state_dict(trained)
 
     # -- one batch
     def _loss(self, batch: Batch, train: bool, run_lengths=None) -> tuple[list[torch.Tensor], StepStats]:

@@ -4,6 +4,7 @@ proposer, loss going down, and export -> load giving identical drafts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -36,8 +37,9 @@ def tiny_trainer(method: str, tmp_path, num_layers: int = 1, seed: int = 0, **cf
                                         num_spec_tokens=4, anchors_per_seq=16, anchor_chunk=8, seed=seed), **cfg})
     trainer = Trainer(engine.runner.model, engine.model_config, config, draft_ids, torch.device("cpu"), tmp_path,
                       progress=False)
-    with torch.no_grad():  # a random head drafts near-uniformly; sharpen it so argmaxes are not near-ties
-        trainer.head.lm_head.weight.mul_(8.0)
+    if not cfg.get("init_head"):
+        with torch.no_grad():  # a random head drafts near-uniformly; sharpen it so argmaxes are not near-ties
+            trainer.head.lm_head.weight.mul_(8.0)
     return trainer, engine
 
 
@@ -444,3 +446,35 @@ def test_soft_cross_entropy_matches_the_log_softmax_formula(rows, vocab, lead, s
     assert torch.allclose(g_got, g_ref, rtol=1e-4, atol=1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as training runs on GPU: the sums stay fp32
         assert _soft_ce(z, p, mask).item() == pytest.approx(got.item(), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_init_head_starts_from_the_exported_head(tmp_path, method: str) -> None:
+    """``init_head``: a new trainer starts with exactly the exported head's weights (fp32 export) and keeps
+    training it; a configuration that builds another head, or another draft vocabulary, is refused by name."""
+    layers = 1 if method == "eagle3" else 2
+    trainer, engine = tiny_trainer(method, tmp_path / "first", num_layers=layers, epochs=1.0)
+    samples = greedy_samples(engine, 6)
+    trainer.fit(samples)
+    export_head(trainer.head, tmp_path / "head", "tiny", dtype=torch.float32)
+    warm, _ = tiny_trainer(method, tmp_path / "second", num_layers=layers, epochs=1.0,
+                           init_head=str(tmp_path / "head"))
+    for (name, a), b in zip(trainer.head_state().items(), warm.head_state().values()):
+        assert torch.equal(a, b), name
+    assert warm.evaluate(samples[:2], max_k=2) == trainer.evaluate(samples[:2], max_k=2)
+    warm.fit(samples)
+    assert warm.step > 0 and any(not torch.equal(a, b) for a, b in zip(trainer.head_state().values(),
+                                                                      warm.head_state().values()))
+    with pytest.raises(ValueError, match="init_head"):
+        tiny_trainer(method, tmp_path / "third", num_layers=layers + 1, init_head=str(tmp_path / "head"))
+    other_vocab = torch.arange(0, VOCAB, 2).flip(0)  # the same size, other tokens per row
+    with pytest.raises(ValueError, match="init_head.*draft vocabulary"):
+        Trainer(engine.runner.model, engine.model_config, dataclasses.replace(warm.cfg, draft_vocab_size=len(
+            other_vocab)), other_vocab, torch.device("cpu"), tmp_path / "fourth", progress=False)
+
+
+def test_init_head_draft_ids_are_the_heads_vocabulary(tmp_path) -> None:
+    from specserve.train.trainer import init_head_draft_ids
+    trainer, engine = tiny_trainer("eagle3", tmp_path / "run")
+    export_head(trainer.head, tmp_path / "head", "tiny", dtype=torch.float32)
+    assert torch.equal(init_head_draft_ids(tmp_path / "head", engine.model_config), torch.arange(0, VOCAB, 2))

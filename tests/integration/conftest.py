@@ -28,16 +28,18 @@ from .fake_engine import FakeAsyncEngine
 MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
-def make_real_async_engine(speculative: SpecConfig | None = None) -> Any:
+def make_real_async_engine(speculative: SpecConfig | None = None, async_scheduling: bool | None = None) -> Any:
     """The real engine over the default model, sized for CPU tests; ``speculative``: the server's default
-    speculation (off when None)."""
+    speculation (off when None); ``async_scheduling``: asynchronous decode steps (None: the device's default,
+    off on CPU)."""
     from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from specserve.engine.async_engine import AsyncEngine
     from specserve.engine.engine import LLMEngine
     from specserve.models.fetch import DEFAULT_MODEL_NAME as name
 
     cfg = EngineConfig(model="default", dtype="float32", device="cpu", cache=CacheConfig(num_blocks=512),
-                       scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=16),
+                       scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=16,
+                                                 async_scheduling=async_scheduling),
                        speculative=speculative or SpecConfig())
     engine = LLMEngine.from_config(cfg)
     metrics = ServingMetrics(name, max_model_len=engine.max_model_len, spec_methods=list(engine.proposers))

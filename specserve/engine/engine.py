@@ -26,6 +26,8 @@ case of the same path."""
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +53,9 @@ class MetricsSink(Protocol):
     def record_request(self, stats: RequestStats) -> None: ...
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class InFlightStep:
     """A launched decode step whose tokens have not been read back (asynchronous decode steps)."""
@@ -61,6 +66,7 @@ class InFlightStep:
     # for this step only, not for the step launched after it on the same stream
     host_token_ids: torch.Tensor
     copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA, where the copy is synchronous)
+    num_prompt_tokens: int  # prompt tokens this step computed (a last prompt chunk of one token), for metrics
 
 
 class LLMEngine:
@@ -83,6 +89,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # seeds of unseeded sampled requests' generators, drawn on the host in arrival order (reproducible from
+        # config.seed; independent of batch composition, which asynchronous decode steps change)
+        self._request_seeds = random.Random(config.seed)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
         if proposers is None:
             from specserve.spec.factory import build_proposers
@@ -153,6 +162,8 @@ class LLMEngine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        elif not params.greedy:  # its own stream, so its draws do not depend on who shares its steps
+            gen = torch.Generator(device=self.device).manual_seed(self._request_seeds.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer
@@ -187,12 +198,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._in_flight is not None:  # an asynchronous decode step is running
             previous, self._in_flight = self._in_flight, None
-            try:
-                if self._next_decode_is_certain(previous):
-                    self._in_flight = self._launch_decode(self.scheduler.schedule(), previous.token_ids)
-            finally:
-                outputs = self._commit_decode(previous)
-            return outputs
+            if self._next_decode_is_certain(previous):
+                self._in_flight = self._try_launch_decode(self.scheduler.schedule(), previous.token_ids)
+            return self._commit_decode(previous)
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
@@ -259,13 +267,16 @@ class LLMEngine:
     def _next_decode_is_certain(self, previous: InFlightStep) -> bool:
         """Whether the next ``schedule()`` will give exactly ``previous``'s requests, in the same order, one
         token each, without preempting anyone, whatever tokens ``previous`` sampled (its tokens are pending)."""
-        if not self.async_scheduling or self.scheduler.waiting:
-            return False
         running = self.scheduler.running
+        budget = self.config.scheduler.max_num_batched_tokens
+        if not self.async_scheduling:
+            return False
+        if self.scheduler.waiting and len(running) < min(self.config.scheduler.max_num_seqs, budget):
+            return False  # the scheduler would try to admit (a full server keeps overlapping while others queue)
         scheduled = previous.sched.scheduled
         if len(running) != len(scheduled) or any(r is not s.request for r, s in zip(running, scheduled)):
             return False  # a request finished, was aborted or joined since
-        if len(running) > self.config.scheduler.max_num_batched_tokens:
+        if len(running) > budget:
             return False
         bm = self.block_manager
         needed = 0
@@ -278,6 +289,18 @@ class LLMEngine:
             needed += bm.blocks_needed(r.request_id, 1)
         return needed <= bm.num_free_blocks
 
+    def _try_launch_decode(self, sched: SchedulerOutput, input_ids_device: torch.Tensor) -> InFlightStep | None:
+        """``_launch_decode`` of a step scheduled while another is in flight; if it fails, the slots its schedule
+        took are rolled back and None returned: the in-flight step still commits and returns its outputs, and the
+        next step runs synchronously (where a lasting error raises as usual)."""
+        try:
+            return self._launch_decode(sched, input_ids_device)
+        except Exception:  # noqa: BLE001 - logged; the synchronous step that follows surfaces a lasting failure
+            logger.exception("asynchronous decode step failed to launch; continuing synchronously")
+            for s in sched.scheduled:
+                self.block_manager.rollback(s.request.request_id, s.num_new_tokens)
+            return None
+
     def _launch_decode(self, sched: SchedulerOutput, input_ids_device: torch.Tensor | None) -> InFlightStep:
         """Run a plain decode step up to its sampled tokens, on the device, without waiting for them; its requests
         count the tokens as pending. ``input_ids_device``: the previous in-flight step's samples (same order)."""
@@ -287,16 +310,17 @@ class LLMEngine:
         requests = [s.request for s in sched.scheduled]
         token_ids = sample_on_device(out.logits, [r.params for r in requests], [r.generator for r in requests],
                                      self.generator)  # [num_scheduled]
-        for r in requests:
+        host, copied = token_ids, None
+        if token_ids.device.type == "cuda":
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        num_prompt = sum(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
+        for r in requests:  # last: a launch that raised above has changed no request
             r.num_computed_tokens += 1
             r.num_pending_tokens += 1
-        if token_ids.device.type != "cuda":
-            return InFlightStep(sched, token_ids, token_ids, None)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return InFlightStep(sched, token_ids, host, copied)
+        return InFlightStep(sched, token_ids, host, copied, num_prompt)
 
     def _commit_decode(self, step: InFlightStep) -> list[RequestOutput]:
         """Read an in-flight step's tokens (waits for it) and commit them; requests that finished meanwhile (their
@@ -310,7 +334,7 @@ class LLMEngine:
             req.num_pending_tokens -= 1
             if not req.finished:
                 outputs.append(self._commit(req, [tok]))
-        self._record_step(step.sched, sum(len(o.new_token_ids) for o in outputs), {}, {})
+        self._record_step(step.sched, sum(len(o.new_token_ids) for o in outputs), {}, {}, step.num_prompt_tokens)
         return outputs
 
     def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
@@ -435,13 +459,16 @@ class LLMEngine:
         self._record_step(SchedulerOutput(), 0, {}, {})
 
     def _record_step(self, sched: SchedulerOutput, num_emitted: int, spec: dict[str, SpecCounters],
-                     emitted_per_step: dict[str, list[int]]) -> None:
+                     emitted_per_step: dict[str, list[int]], prompt_tokens: int | None = None) -> None:
+        """``prompt_tokens``: counted at launch by an asynchronous step (its requests have moved on since);
+        otherwise from ``sched`` and the requests' progress right after the step."""
         if self.metrics is None:
             return
-        prompt_tokens = sum(
-            max(0, min(s.request.num_computed_tokens, s.request.num_prompt_tokens)
-                - max(0, s.request.num_computed_tokens - s.num_new_tokens))
-            for s in sched.scheduled)
+        if prompt_tokens is None:
+            prompt_tokens = sum(
+                max(0, min(s.request.num_computed_tokens, s.request.num_prompt_tokens)
+                    - max(0, s.request.num_computed_tokens - s.num_new_tokens))
+                for s in sched.scheduled)
         self.metrics.record_step(StepStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,

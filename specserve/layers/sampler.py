@@ -13,6 +13,14 @@ import torch
 from specserve.sampling import SamplingParams
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device``: through pinned memory without a stream sync on CUDA (a pageable copy
+    would wait for the work queued before it, e.g. an asynchronous decode step's next step)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, already divided by temperature
     top_k: list[int],  # [num_rows], 0 = disabled
@@ -23,11 +31,11 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [rows, vocab]
     device = logits.device
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)  # [rows]
+    k = host_to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)  # [rows]
     ranks = torch.arange(vocab, device=device)
     remove = ranks[None, :] >= k[:, None]  # beyond top-k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    p = torch.tensor(top_p, dtype=probs.dtype, device=device)  # [rows]
+    p = host_to_device(top_p, probs.dtype, device)  # [rows]
     # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= p[:, None]
@@ -40,7 +48,7 @@ def target_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32
     params: list[SamplingParams],  # [num_rows], none greedy
 ) -> torch.Tensor:  # [num_rows, vocab_size] float32
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temps = host_to_device([p.temperature for p in params], logits.dtype, logits.device)
     scaled = logits / temps[:, None]
     scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
     return scaled.softmax(dim=-1)
@@ -77,8 +85,9 @@ def sample_on_device(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return out
-    probs = target_probs(logits[random_rows], [params[i] for i in random_rows])
+    rows = host_to_device(random_rows, torch.int64, logits.device)  # [num_random]
+    probs = target_probs(logits.index_select(0, rows), [params[i] for i in random_rows])
     drawn = [torch.multinomial(probs[j], 1, generator=generators[i] or default_generator)
              for j, i in enumerate(random_rows)]
-    out[torch.tensor(random_rows, device=logits.device)] = torch.cat(drawn)
+    out[rows] = torch.cat(drawn)
     return out

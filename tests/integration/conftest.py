@@ -7,6 +7,7 @@ fp32 on CPU) and against the deterministic fake in ``fake_engine.py`` (which can
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import time
@@ -82,6 +83,28 @@ def live_server(engine: Any) -> Iterator[LiveServer]:
 def client(server: LiveServer, **kwargs: Any) -> openai.OpenAI:
     """The official OpenAI client, pointed at ``server``."""
     return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, **kwargs)
+
+
+def concurrent_chat(server: LiveServer, requests: list[dict]) -> list[tuple[str, str | None]]:
+    """Send every chat request (``create`` keyword arguments without ``model``) at once with the async OpenAI
+    client, the odd-numbered ones streamed; returns (text, finish_reason) per request, in order."""
+    async def run() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=server.api_url, api_key="unused", max_retries=0) as ac:
+            async def one(i: int, kw: dict) -> tuple[str, str | None]:
+                if i % 2:
+                    stream = await ac.chat.completions.create(model=server.model, **kw, stream=True)
+                    text, finish = "", None
+                    async for ch in stream:
+                        if ch.choices:
+                            text += ch.choices[0].delta.content or ""
+                            finish = ch.choices[0].finish_reason or finish
+                    return text, finish
+                resp = await ac.chat.completions.create(model=server.model, **kw)
+                return resp.choices[0].message.content, resp.choices[0].finish_reason
+
+            return await asyncio.gather(*(one(i, kw) for i, kw in enumerate(requests)))
+
+    return asyncio.run(run())
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:

@@ -7,14 +7,13 @@ to the real one: streamed text == non-streamed text, usage counts, include_usage
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import openai
 import pytest
 
-from .conftest import MAX_REQUEST_BODY_BYTES, LiveServer, client, metric_value, wait_until
+from .conftest import MAX_REQUEST_BODY_BYTES, LiveServer, client, concurrent_chat, metric_value, wait_until
 from .fake_engine import FAIL_MARKER
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -319,26 +318,8 @@ def test_engine_exception_is_500_and_server_survives(fake_server: LiveServer) ->
 
 
 def test_16_concurrent_requests(server: LiveServer) -> None:
-    async def run() -> list[tuple[str, str | None]]:
-        async with openai.AsyncOpenAI(base_url=server.api_url, api_key="unused", max_retries=0) as ac:
-            async def one(i: int) -> tuple[str, str | None]:
-                messages = [{"role": "user", "content": f"Request number {i}: count to five."}]
-                if i % 2:
-                    stream = await ac.chat.completions.create(model=server.model, messages=messages,
-                                                              max_tokens=24, temperature=0, stream=True)
-                    text, finish = "", None
-                    async for ch in stream:
-                        if ch.choices:
-                            text += ch.choices[0].delta.content or ""
-                            finish = ch.choices[0].finish_reason or finish
-                    return text, finish
-                resp = await ac.chat.completions.create(model=server.model, messages=messages,
-                                                        max_tokens=24, temperature=0)
-                return resp.choices[0].message.content, resp.choices[0].finish_reason
-
-            return await asyncio.gather(*(one(i) for i in range(16)))
-
-    results = asyncio.run(run())
+    results = concurrent_chat(server, [dict(messages=[{"role": "user", "content": f"Request number {i}: count to "
+                                                     "five."}], max_tokens=24, temperature=0) for i in range(16)])
     assert len(results) == 16
     assert all(text and finish in ("stop", "length") for text, finish in results)
     assert wait_until(lambda: server.engine.kv_cache_usage() == 0.0)

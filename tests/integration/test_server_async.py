@@ -5,14 +5,12 @@ request aborted and its KV blocks freed."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 
-from .conftest import LiveServer, live_server, make_real_async_engine, metric_value, wait_until
+from .conftest import LiveServer, concurrent_chat, live_server, make_real_async_engine, metric_value, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +25,9 @@ def servers(smollm2_gguf_path) -> Iterator[dict[str, LiveServer]]:
 
 
 def _answers(server: LiveServer) -> list[tuple[str, str | None]]:
-    async def run() -> list[tuple[str, str | None]]:
-        async with openai.AsyncOpenAI(base_url=server.api_url, api_key="unused", max_retries=0) as ac:
-            async def one(i: int) -> tuple[str, str | None]:
-                messages = [{"role": "user", "content": f"Request number {i}: name {i + 2} animals."}]
-                kw = dict(model=server.model, messages=messages, max_tokens=12 + 5 * i, temperature=0)
-                if i % 2:
-                    stream = await ac.chat.completions.create(**kw, stream=True)
-                    text, finish = "", None
-                    async for ch in stream:
-                        if ch.choices:
-                            text += ch.choices[0].delta.content or ""
-                            finish = ch.choices[0].finish_reason or finish
-                    return text, finish
-                resp = await ac.chat.completions.create(**kw)
-                return resp.choices[0].message.content, resp.choices[0].finish_reason
-
-            return await asyncio.gather(*(one(i) for i in range(8)))
-
-    return asyncio.run(run())
+    return concurrent_chat(server, [dict(messages=[{"role": "user", "content": f"Request number {i}: name {i + 2} "
+                                                    "animals."}], max_tokens=12 + 5 * i, temperature=0)
+                                    for i in range(8)])
 
 
 def test_concurrent_requests_get_the_synchronous_engines_text(servers) -> None:

@@ -4,10 +4,11 @@ request by one prefill chunk, or by 1 to ``1 + num_spec_tokens`` tokens when it 
 Asynchronous decode steps (``SchedulerConfig.async_scheduling``, on by default on CUDA). A decode step waits for
 its tokens only to commit them, and the next step needs them only as input ids, which can stay on the device.
 So when a step is a plain decode (every request decoding one token, none speculating) and the next one is
-certain to be the same requests decoding again (nothing waiting, no request at its length limit, KV blocks
-for all), ``step()`` schedules and launches the next step first and commits the previous one while the GPU
-runs it: the host's schedule / prepare / commit time hides behind the device's work. Each call then returns
-the outputs of the step before the one it launched (the first call of a run of decode steps returns none):
+certain to be the same requests decoding again (no waiting request the scheduler could admit, no request at
+its length limit, KV blocks for all), ``step()`` schedules and launches the next step first and commits the
+previous one while the GPU runs it: the host's schedule / prepare / commit time hides behind the device's
+work. Each call then returns the outputs of the step before the one it launched (the first call of a run of
+decode steps returns none):
 
     call k:   schedule N+1 (pending tokens of N counted) -> launch N+1 (ids = N's samples, on the device)
               -> wait for N's tokens -> commit N (stop conditions, text) -> return N's outputs

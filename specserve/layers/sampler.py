@@ -60,16 +60,8 @@ def sample(
     generators: list[torch.Generator | None],  # [num_rows]; None -> default_generator
     default_generator: torch.Generator,
 ) -> list[int]:
-    """One token per row."""
-    out = logits.argmax(dim=-1).tolist()
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return out
-    probs = target_probs(logits[random_rows], [params[i] for i in random_rows])
-    for j, i in enumerate(random_rows):
-        gen = generators[i] or default_generator
-        out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
-    return out
+    """One token per row, read back to the host (``sample_on_device``'s draws)."""
+    return sample_on_device(logits, params, generators, default_generator).tolist()
 
 
 def sample_on_device(
@@ -78,9 +70,9 @@ def sample_on_device(
     generators: list[torch.Generator | None],  # [num_rows]; None -> default_generator
     default_generator: torch.Generator,
 ) -> torch.Tensor:  # [num_rows] int64, on logits' device
-    """``sample`` without reading the tokens back: the same draws (the same generator calls, in the same order,
-    on the same rows), left on the device so that the next step can take them as its input ids before the host
-    has seen them (the engine's asynchronous decode steps)."""
+    """One token per row, left on the device (so that the engine's next asynchronous decode step can take them as
+    its input ids before the host has seen them): the argmax of greedy rows, a draw from ``target_probs`` for
+    the others, one generator call per row in row order, as the verifier draws for a request without drafts."""
     out = logits.argmax(dim=-1)  # [num_rows]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from specserve.engine.request import PENDING_TOKEN_ID, Request
 from specserve.layers.sampler import sample, sample_on_device
 from specserve.sampling import SamplingParams
+from specserve.spec.verify import verify
 from tests.tiny import prompts, tiny_engine
 
 
@@ -125,14 +126,19 @@ def test_pending_tokens_read_as_placeholders():
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), greedy_mask=st.integers(0, 63))
-def test_sample_on_device_draws_what_sample_draws(seed, rows, greedy_mask):
+def test_sample_on_device_draws_what_the_verifier_draws_without_drafts(seed, rows, greedy_mask):
+    """The asynchronous steps' sampler and the synchronous steps' (``verify`` with no drafts) draw the same tokens
+    from the same generators; ``sample`` is its host read-back."""
     logits = torch.randn(rows, 50, generator=torch.Generator().manual_seed(seed)) * 3
     params = [SamplingParams(temperature=0.0 if greedy_mask >> i & 1 else 0.7, top_k=[0, 5][i % 2])
               for i in range(rows)]
-    gens = [torch.Generator().manual_seed(seed + i) if i % 3 else None for i in range(rows)]
-    gens2 = [None if g is None else torch.Generator().manual_seed(seed + i) for i, g in enumerate(gens)]
-    on_device = sample_on_device(logits, params, gens, torch.Generator().manual_seed(seed))
-    assert on_device.tolist() == sample(logits, params, gens2, torch.Generator().manual_seed(seed))
+
+    def gens():  # per-request generators for two rows in three, the default one for the rest
+        return [torch.Generator().manual_seed(seed + i) if i % 3 else None for i in range(rows)], \
+            torch.Generator().manual_seed(seed)
+    on_device = sample_on_device(logits, params, *gens())
+    verified = verify(logits, list(range(rows)), [[] for _ in range(rows)], [None] * rows, params, *gens())
+    assert on_device.tolist() == [toks[0] for toks in verified] == sample(logits, params, *gens())
 
 
 def test_unseeded_sampling_equals_the_synchronous_engine():

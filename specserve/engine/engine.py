@@ -268,10 +268,10 @@ class LLMEngine:
     def _next_decode_is_certain(self, previous: InFlightStep) -> bool:
         """Whether the next ``schedule()`` will give exactly ``previous``'s requests, in the same order, one
         token each, without preempting anyone, whatever tokens ``previous`` sampled (its tokens are pending)."""
-        running = self.scheduler.running
-        budget = self.config.scheduler.max_num_batched_tokens
         if not self.async_scheduling:
             return False
+        running = self.scheduler.running
+        budget = self.config.scheduler.max_num_batched_tokens
         if self.scheduler.waiting and len(running) < min(self.config.scheduler.max_num_seqs, budget):
             return False  # the scheduler would try to admit (a full server keeps overlapping while others queue)
         scheduled = previous.sched.scheduled
@@ -279,16 +279,12 @@ class LLMEngine:
             return False  # a request finished, was aborted or joined since
         if len(running) > budget:
             return False
-        bm = self.block_manager
-        needed = 0
         for r in running:
             # the step after previous samples token number len(output_ids) + num_pending_tokens + 1
             if len(r.output_ids) + r.num_pending_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
                 return False
-            if not bm.can_allocate(r.request_id, 1):
-                return False
-            needed += bm.blocks_needed(r.request_id, 1)
-        return needed <= bm.num_free_blocks
+        bm = self.block_manager  # one more slot each, all at once (so no preemption)
+        return sum(bm.blocks_needed(r.request_id, 1) for r in running) <= bm.num_free_blocks
 
     def _try_launch_decode(self, sched: SchedulerOutput, input_ids_device: torch.Tensor) -> InFlightStep | None:
         """``_launch_decode`` of a step scheduled while another is in flight; if it fails, the slots its schedule

@@ -68,20 +68,10 @@ def kernel_events(prof) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda t: t[1])
 
 
-def step_inputs(runner: ModelRunner, batch: int, context: int, query_len: int):
-    bs = ge.BLOCK_SIZE
-    seq_len = context + query_len
-    blocks = -(-seq_len // bs)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
-    ids = torch.randint(0, runner.model_config.vocab_size, (batch * query_len,)).tolist()
-    positions = [p for _ in range(batch) for p in range(context, seq_len)]
-    return ids, positions, [query_len] * batch, [seq_len] * batch, tables
-
-
 @torch.inference_mode()
 def profile_case(runner: ModelRunner, device: torch.device, batch: int, query_len: int, context: int,
                  iters: int) -> dict:
-    ids, positions, qlens, slens, tables = step_inputs(runner, batch, context, query_len)
+    ids, positions, qlens, slens, tables = ge.forward_inputs(runner, batch, context, query_len)
     graphs = runner.graphs
     step = graphs.step_for(graphs.bucket_for(batch), query_len)
 
@@ -139,8 +129,6 @@ def engine_host_phases(model, config, device: torch.device, batch: int, prompt_l
     launched), ``logits`` (LM head launched), ``verify`` (argmax, and the wait for the GPU in ``tolist``),
     ``commit`` (everything after). The GPU idles during schedule + prepare + the host part of graph_run + commit."""
     import specserve.engine.engine as engine_mod
-    from specserve.sampling import SamplingParams
-    from specserve.spec.params import SPEC_OFF
     engine = ge.engine_for(model, config, device, batch, 4.0, 1024, 8192, proposers={})
     marks: dict[str, float] = {}
 
@@ -156,12 +144,7 @@ def engine_host_phases(model, config, device: torch.device, batch: int, prompt_l
             return r
         setattr(obj, name, timed)
 
-    vocab = config.vocab_size
-    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(ge.random_prompts(batch, prompt_len, vocab, seed=5)):
-        engine.add_request(f"h{i}", p, params, SPEC_OFF)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    ge.start_decoding(engine, batch, prompt_len, steps + 16, seed=5)
     for _ in range(3):
         engine.step()
     import specserve.engine.cuda_graphs as graphs_mod

@@ -118,17 +118,22 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
+def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    """Add ``batch`` greedy requests of random ``prompt_len``-token prompts (no speculation, EOS ignored) and step
+    the engine until every one has prefilled: the next steps are all decode steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed=seed)):
+        engine.add_request(f"d{seed}-{batch}-{i}", p, params, SPEC_OFF)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+
+
 def time_decode_steps(engine: LLMEngine, device: torch.device, batch: int, prompt_len: int, steps: int,
                       warmup: int = 3) -> dict:
     """Median wall time of back-to-back ``engine.step()`` calls once all ``batch`` requests decode (prefill steps
     excluded; no device sync between calls, see below)."""
-    vocab = engine.model_config.vocab_size
     profile_steps = 10 if batch == 1 else 0
-    params = SamplingParams(max_tokens=steps + warmup + profile_steps + 8, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
-        engine.add_request(f"d{batch}-{i}", p, params, SPEC_OFF)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    start_decoding(engine, batch, prompt_len, steps + warmup + profile_steps + 8, seed=batch)
     # No device sync between steps: with asynchronous decode steps (the CUDA default) a step() call launches the
     # next step and then waits for the previous one, and a sync after each call would idle the GPU during the
     # host's launch work, which the engine hides when it runs alone. Each call still waits for one step, so in the
@@ -171,13 +176,10 @@ def profile_steps_host(engine: LLMEngine, steps: int, top: int = 20) -> list[str
     return [line for line in buf.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
-@torch.inference_mode()
-def time_forward(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
-                 iters: int, warmup: int = 3) -> float:
-    """Median time of one target forward + LM head over ``query_len`` tokens per request (1: a decode step;
-    1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each. The forward
-    replays the runner's CUDA graph for (batch bucket, query_len) when it has graphs (captured on first use, in
-    the warm-up), as the engine's decode and verify steps do; eagerly otherwise."""
+def forward_inputs(runner: ModelRunner, batch: int, context: int, query_len: int):
+    """Host inputs of a uniform step: ``batch`` sequences with ``context`` cached tokens and ``query_len`` new ones
+    each (random ids), sequence i on KV blocks ``[i * blocks, (i + 1) * blocks)`` ->
+    ``(input_ids, positions, query_lens, seq_lens, block_tables)`` as ``ModelRunner.forward`` takes them."""
     seq_len = context + query_len
     blocks = -(-seq_len // BLOCK_SIZE)
     if batch * blocks > runner.num_blocks:
@@ -185,7 +187,18 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     ids = torch.randint(0, runner.model_config.vocab_size, (batch * query_len,)).tolist()
     positions = [p for _ in range(batch) for p in range(context, seq_len)]
-    lens = ([query_len] * batch, [seq_len] * batch)
+    return ids, positions, [query_len] * batch, [seq_len] * batch, tables
+
+
+@torch.inference_mode()
+def time_forward(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
+                 iters: int, warmup: int = 3) -> float:
+    """Median time of one target forward + LM head over ``query_len`` tokens per request (1: a decode step;
+    1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each. The forward
+    replays the runner's CUDA graph for (batch bucket, query_len) when it has graphs (captured on first use, in
+    the warm-up), as the engine's decode and verify steps do; eagerly otherwise."""
+    ids, positions, query_lens, seq_lens, tables = forward_inputs(runner, batch, context, query_len)
+    lens = (query_lens, seq_lens)
     graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
     times = []
     for i in range(iters + warmup):

@@ -107,8 +107,9 @@ class CudaGraphConfig:
     ``capture_at_startup``: capture q = 1 (and 1 + the server's ``num_spec_tokens``) for every bucket when the
     engine starts; other query lengths are captured the first time a step needs them.
     ``draft_steps``: also capture an EAGLE-3 head's draft steps 2..k, one graph per (bucket, steps), captured on
-    first use (``spec/draft_graphs.py``). On by default: on the H200 (benchmarks/results/gpu_engine_session13.json,
-    SmolLM2 shape, k = 4) EAGLE-3 went from 132 to 341 output tokens/s at concurrency 1 and from 4842 to 7218 at 32."""
+    first use (``spec/draft_graphs.py``). On by default: on the H200 (benchmarks/results/
+    gpu_engine_session13_sync.json, SmolLM2 shape, k = 4, side by side in one run) EAGLE-3 went from 132 to 341
+    output tokens/s at concurrency 1 and from 4842 to 7218 at 32."""
 
     enabled: bool = True
     batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES

@@ -10,6 +10,8 @@ limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
             (a later ``train --total-steps N`` call resumes the checkpoint an earlier call left in /tmp/work)
     eval    mean acceptance length with our engine, greedy, MT-Bench first turns / HumanEval / GSM8K test,
             num_spec_tokens 1..7, both heads; writes $OUT/acceptance.json
+    speed   output tokens/s of the real target: plain vs the committed EAGLE-3 head vs n-gram, concurrency 1
+            and whole sets; writes $OUT/speed.json
 
 The P-EAGLE head's embedding is the target's plus one learned row (the mask token): only that row comes back
 (``mask_embedding.safetensors``) and ``merge`` rebuilds the full table from the local GGUF.
@@ -241,6 +243,77 @@ def evaluate(args) -> None:
         (OUT / "acceptance.json").write_text(json.dumps(results, indent=2))
 
 
+def speed(args) -> None:
+    """What the shipped head buys on the GPU: output tokens/s of the real target (bf16, CUDA graphs, our engine)
+    with no speculation, EAGLE-3 (``--eagle3-head``, the committed head by default) at k = 3 and 5, and n-gram
+    at k = 3, greedy, on the three evaluation sets; at concurrency 1 (the first ``--c1-prompts`` prompts of each
+    set one after another) and with the whole set submitted at once. Greedy speculation is lossless up to the
+    rounding of bf16 GEMMs over other row counts, so the outputs are compared with plain decoding's and the
+    share that is identical token for token is recorded. Writes $OUT/speed.json."""
+    from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.models.loader import load_model
+    from specserve.sampling import SamplingParams
+    from specserve.spec.eagle3 import load_eagle_proposer
+    from specserve.spec.ngram import NgramProposer
+    from specserve.spec.params import SpecParams
+
+    gguf = join_gguf()
+    device = torch.device("cuda")
+    model, config, tok = load_model(str(gguf), "bfloat16", device, 2048)
+    engine_cfg = EngineConfig(device="cuda", cache=CacheConfig(kv_cache_memory_gib=40.0),
+                              scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
+                                                        max_model_len=2048))
+    probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
+    proposers = {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max),
+                 "eagle3": load_eagle_proposer("eagle3", str(ROOT / args.eagle3_head), model, config,
+                                               probe.runner.num_blocks, 16, device)}
+    del probe
+    torch.cuda.empty_cache()
+    engine = LLMEngine(engine_cfg, model, config, tok, proposers=proposers)
+    sets = eval_prompts(STAGE / "data", args.gsm8k_limit)
+    ids = {name: [tok.encode(tok.apply_chat_template(m)) for m in msgs] for name, msgs in sets.items()}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    methods = [("none", 0), ("eagle3", 3), ("eagle3", 5), ("ngram", 3)]
+    for method, k in methods:  # warm-up: graph capture and kernel selection stay out of the timings
+        engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=0.0), SpecParams(method, k))
+    results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0), "head": args.eagle3_head,
+                     "max_tokens": args.max_tokens, "greedy": True, "c1_prompts": args.c1_prompts,
+                     "num_prompts": {k: len(v) for k, v in ids.items()}, "rows": []}
+    plain: dict = {}
+    for name, prompts in ids.items():
+        for mode, batch in (("c1", prompts[:args.c1_prompts]), ("all", prompts)):
+            for method, k in methods:
+                spec = SpecParams(method, k)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if mode == "c1":
+                    reqs = [r for p in batch for r in engine.generate([p], params, spec)]
+                else:
+                    reqs = engine.generate(batch, params, spec)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                outs = [list(r.output_ids) for r in reqs]
+                if method == "none":
+                    plain[(name, mode)] = outs
+                drafts = sum(r.spec_counters.num_drafts for r in reqs)
+                acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
+                tokens = sum(map(len, outs))
+                row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
+                       "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                       "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+                       "identical_to_plain": sum(a == b for a, b in zip(outs, plain[(name, mode)])) / len(outs)}
+                base = next(r for r in results["rows"] if (r["set"], r["mode"], r["method"]) == (name, mode, "none")) \
+                    if method != "none" else row
+                row["speedup_vs_plain"] = row["tok_s"] / base["tok_s"]
+                results["rows"].append(row)
+                print(f"{name:9s} {mode:3s} {method:6s} k={k}: {row['tok_s']:8.0f} tok/s "
+                      f"x{row['speedup_vs_plain']:.2f} AL {row['mean_acceptance_length'] or 1:.2f} "
+                      f"same {row['identical_to_plain']:.2f}", flush=True)
+                OUT.mkdir(parents=True, exist_ok=True)
+                (OUT / "speed.json").write_text(json.dumps(results, indent=2))
+
+
 def merge(heads: Path) -> None:
     """Rebuild the P-EAGLE head's embedding: the target's (dequantized from the local GGUF, bf16) with the
     learned mask row, then save the head sharded (speculators format)."""
@@ -268,7 +341,7 @@ def merge(heads: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["split", "stage", "train", "eval", "merge", "pack"])
+    ap.add_argument("phase", choices=["split", "stage", "train", "eval", "speed", "merge", "pack"])
     ap.add_argument("--part-mb", type=float, default=25.0, help="split: GGUF part size")
     ap.add_argument("--gen-seconds", type=float, default=210)
     ap.add_argument("--train-seconds", type=float, default=110)
@@ -307,9 +380,11 @@ def main() -> int:
     ap.add_argument("--gsm8k-limit", type=int, default=200)
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--heads", type=Path, default=None)
+    ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3", help="speed: the head (repo path)")
+    ap.add_argument("--c1-prompts", type=int, default=12, help="speed: prompts per set run one at a time")
     args = ap.parse_args()
     {"split": lambda: split(args.part_mb), "stage": lambda: stage(), "train": lambda: train(args),
-     "eval": lambda: evaluate(args), "merge": lambda: merge(args.heads),
+     "eval": lambda: evaluate(args), "speed": lambda: speed(args), "merge": lambda: merge(args.heads),
      "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack})}[
         args.phase]()
     return 0

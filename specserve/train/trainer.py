@@ -549,7 +549,7 @@ class Trainer:
         state = torch.load(path, map_location=self.device, weights_only=False)
         self.head.load_state_dict(state["head"], strict=False)
         self.opt.load_state_dict(state["opt"])
-        self.gen.set_state(state["gen"])
+        self.gen.set_state(state["gen"].cpu())  # map_location moved the RNG state to the device
         self.step = int(state["step"])
         if self.progress:
             print(f"resumed from {path} at step {self.step}", file=sys.stderr)

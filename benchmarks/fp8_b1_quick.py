@@ -59,10 +59,32 @@ def fused_bitwise(config, device: torch.device, dtype: torch.dtype) -> dict:
     return result
 
 
+def time_method(method: str, config, device: torch.device, dtype: torch.dtype) -> dict:
+    """Median decode step (and graph replay) at batch 1 for ``method``: bf16, or fp8 weights with the activation
+    quantizer launched alone ("fp8") or fused into the norms and silu_and_mul ("fp8_fused*")."""
+    t0 = time.perf_counter()
+    quant_tiles.FUSE_FP8_ACT_QUANT = method.startswith("fp8_fused")  # read at every layer call (models/llama.py)
+    model = ge.dummy_model(config, 1024, dtype, device)
+    if method != "bf16":
+        ge.quantize_model(model, "fp8")
+        ge.free(device)
+    engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
+    r = ge.time_decode_steps(engine, device, 1, 512, 20)
+    result = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
+    result["fuse_fp8_act_quant"] = quant_tiles.FUSE_FP8_ACT_QUANT
+    print(method, r["median_step_s"], r["graph_replay_s"], f"{time.perf_counter() - t0:.1f} s", flush=True)
+    del engine, model
+    ge.free(device)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fuse-act-quant", action="store_true",
                     help="also time fp8 with quant_tiles.FUSE_FP8_ACT_QUANT on (method fp8_fused)")
+    ap.add_argument("--gemv-m1", action="store_true",
+                    help="also time fp8 (fused) with the CUDA-core GEMV tiles for one row that W8A16_TILES had "
+                         "before the fp8 MMA (method fp8_fused_gemv_m1)")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config("llama-3.1-8b")
@@ -74,20 +96,14 @@ def main() -> int:
         out["fused_bitwise"] = fused_bitwise(config, device, dtype)
         print("fused_bitwise", out["fused_bitwise"], flush=True)
         methods.append("fp8_fused")
+    if args.gemv_m1:
+        methods.append("fp8_fused_gemv_m1")
+    gemv_m1 = {**quant_tiles.W8A16_TILES.by_rows,
+               1: quant_tiles.TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, use_dot=False)}
     for method in methods:
-        t0 = time.perf_counter()
-        quant_tiles.FUSE_FP8_ACT_QUANT = method == "fp8_fused"  # read at every layer call (models/llama.py)
-        model = ge.dummy_model(config, 1024, dtype, device)
-        if method != "bf16":
-            ge.quantize_model(model, "fp8")
-            ge.free(device)
-        engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
-        r = ge.time_decode_steps(engine, device, 1, 512, 20)
-        out["by_method"][method] = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
-        out["by_method"][method]["fuse_fp8_act_quant"] = quant_tiles.FUSE_FP8_ACT_QUANT
-        print(method, r["median_step_s"], r["graph_replay_s"], f"{time.perf_counter() - t0:.1f} s", flush=True)
-        del engine, model
-        ge.free(device)
+        # the tiles hold until this method's engine is gone: its CUDA graphs capture the launches
+        with quant_tiles.override(quant_tiles.W8A16_TILES, gemv_m1 if method == "fp8_fused_gemv_m1" else None):
+            out["by_method"][method] = time_method(method, config, device, dtype)
     quant_tiles.FUSE_FP8_ACT_QUANT = False
     steps = out["by_method"]
     out["fp8_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8"]["median_step_s"]
@@ -97,6 +113,10 @@ def main() -> int:
         out["fused_vs_unfused_step"] = steps["fp8"]["median_step_s"] / steps["fp8_fused"]["median_step_s"]
         print("fp8_fused_speedup_b1", out["fp8_fused_speedup_b1"], "fused_vs_unfused_step",
               out["fused_vs_unfused_step"])
+    if "fp8_fused_gemv_m1" in steps:
+        gemv = steps["fp8_fused_gemv_m1"]["median_step_s"]
+        out["fp8_fused_gemv_m1_speedup_b1"] = steps["bf16"]["median_step_s"] / gemv
+        print("fp8_fused_gemv_m1_speedup_b1", out["fp8_fused_gemv_m1_speedup_b1"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     return 0

@@ -14,6 +14,9 @@ lm_head 128256 <- 4096; rows M in {1, 8, 32} (``--rows``). Methods, per (shape, 
   ``W8A16_INKERNEL_QUANT_MAX_ROWS``); ``w8a16_prequant``: the fused quantizer, then the kernel on e4m3
   activations (same bits; ``Fp8Linear`` above that threshold); ``w8a16_noquant``: the kernel on unquantized
   activations (``act_quant="none"``, the maths before per-token quantization, for comparison);
+  ``w8a16_e4m3``: the kernel on activations quantized beforehand, outside the timing (the engine's path: the
+  producing norm or silu_and_mul quantizes, ``FUSE_FP8_ACT_QUANT``); its sweep (``w8a16_e4m3_sweep``) adds
+  tiles for the fp8 MMA (``fp8_dot``);
 - ``fp8_scaled_mm``: the fused Triton activation quantizer + ``torch._scaled_mm`` (what ``Fp8Linear`` runs
   above ``W8A16_MAX_ROWS``); ``fp8_scaled_mm_torch_quant``: the same GEMM after the old plain-torch quantizer;
   ``fp8_quant_only``: the fused quantizer alone;
@@ -106,6 +109,16 @@ def w8a16_sweep(m: int) -> list[TileConfig]:
     if m <= 4:
         return gemv + dot
     return gemv[:1] + dot
+
+
+def w8a16_e4m3_sweep(m: int) -> list[TileConfig]:
+    """The W8A16 kernel on activations already quantized to e4m3 (the engine's path: the norm or silu_and_mul
+    before the projection quantizes, ``FUSE_FP8_ACT_QUANT``): the GEMV tiles, then tensor-core tiles where the
+    fp8 MMA takes both e4m3 tiles as they are (``fp8_dot``), with deep pipelines and split K for the small N."""
+    fp8 = [TileConfig(bn, bk, 4, st, split_k=sk, fp8_dot=True)
+           for bn, bk, st, sk in ((64, 128, 4, 0), (64, 256, 4, 0), (64, 256, 6, 0), (128, 128, 4, 0),
+                                  (128, 256, 4, 0), (128, 256, 3, 1), (64, 512, 3, 0), (128, 128, 6, 0))]
+    return w8a16_sweep(m)[:4] + fp8
 
 
 def bf16_gemv_sweep(m: int) -> list[TileConfig]:
@@ -273,7 +286,7 @@ def bench_shape(rep: Report, args, name: str, n: int, k: int, device: torch.devi
                        "copies": {kind: len(ctx[kind]) for kind in ("bf16", "fp8", "int4")}}
     rep.data.setdefault("shapes", {})[name] = shape_out
     for m in args.rows:
-        row: dict = {"m": m, "methods": {}, "sweep": {"bf16_triton": [], "w8a16": [], "w4a16": []}}
+        row: dict = {"m": m, "methods": {}, "sweep": {"bf16_triton": [], "w8a16": [], "w8a16_e4m3": [], "w4a16": []}}
         shape_out["by_rows"][str(m)] = row
         bench_row(rep, args, ctx, row, m, device, dtype)
         rep.write()
@@ -325,6 +338,12 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     def w8a16(s, cfg=None, act_quant="per_token"):
         return triton_w8a16.w8a16_linear(x, s[0], s[1], None, config=cfg, counters=counters, act_quant=act_quant)
 
+    x_q, x_s = triton_w8a16.quantize_fp8_rows_triton(x)  # what the fused norm / silu_and_mul hand the projection
+
+    def w8a16_e4m3(s, cfg=None):
+        return triton_w8a16.w8a16_linear(x_q, s[0], s[1], None, config=cfg, counters=counters,
+                                         act_quant="per_token_prequant", x_scale=x_s, out_dtype=x.dtype)
+
     def bf16_triton(s, cfg=None):
         return triton_gemv.gemv_linear(x, s[0], None, config=cfg, counters=counters)
 
@@ -349,6 +368,8 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
         act = {"prequant": "per_token_prequant", "noquant": "none"}[mode]
         record(f"w8a16_{mode}", [lambda s=s, a=act: w8a16(s, act_quant=a) for s in fp8_sets],
                _try(lambda a=act: w8a16(fp8_sets[0], act_quant=a)), ref, "fp8", tol, w8_cfg)
+    record("w8a16_e4m3", [lambda s=s: w8a16_e4m3(s) for s in fp8_sets], _try(lambda: w8a16_e4m3(fp8_sets[0])),
+           ref_fp8, "fp8", 5e-3, w8_cfg)
     record("fp8_scaled_mm", [lambda s=s: scaled_mm(s, fused) for s in fp8_sets],
            _try(lambda: scaled_mm(fp8_sets[0], fused)), ref_fp8, "fp8", 2e-2)
     record("fp8_scaled_mm_torch_quant", [lambda s=s: scaled_mm(s, quantize_fp8_rows) for s in fp8_sets],
@@ -372,7 +393,10 @@ def bench_row(rep: Report, args, ctx: dict, row: dict, m: int, device: torch.dev
     for kernel, sweep, sets, kind, ref, call in (
             ("bf16_triton", bf16_gemv_sweep(m), bf16_sets, "bf16", ref_bf16, bf16_triton),
             ("w8a16", w8a16_sweep(m), fp8_sets, "fp8", ref_fp8, w8a16),
+            ("w8a16_e4m3", w8a16_e4m3_sweep(m), fp8_sets, "fp8", ref_fp8, w8a16_e4m3),
             ("w4a16", w4a16_sweep(m), int4_sets, "int4", ref_int4, w4a16)):
+        if kernel not in args.sweeps:
+            continue
         for cfg in sweep:
             entry = {"config": cfg.describe(), "fields": dataclasses.asdict(cfg)}
             row["sweep"][kernel].append(entry)
@@ -431,10 +455,10 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
             summary.setdefault(name, {})[m] = entry
     rep.data["summary"] = summary
     # per row bucket: the sweep configuration with the least summed time over the decoder-layer shapes
-    suggested: dict = {"bf16_triton": {}, "w8a16": {}, "w4a16": {}, "w8a16_max_rows": None,
+    suggested: dict = {"bf16_triton": {}, "w8a16": {}, "w8a16_e4m3": {}, "w4a16": {}, "w8a16_max_rows": None,
                        "bf16_triton_lm_head": {}, "bf16_gemv_max_rows": None}
     layer = [s for s in LAYER_SHAPES if s in shapes_data] or list(shapes_data)
-    for kernel in ("bf16_triton", "w8a16", "w4a16"):
+    for kernel in ("bf16_triton", "w8a16", "w8a16_e4m3", "w4a16"):
         for m in rows:
             totals: dict[str, float] = {}
             counts: dict[str, int] = {}
@@ -472,7 +496,7 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
     for m in rows:
         per: dict = {}
         for method in ("bf16", "bf16_triton", "bf16_triton_best", "w8a16", "w8a16_prequant", "w8a16_noquant",
-                       "w8a16_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
+                       "w8a16_best", "w8a16_e4m3", "w8a16_e4m3_best", "fp8_scaled_mm", "w4a16", "w4a16_best"):
             times = [method_us(s, m, method) for s in LAYER_SHAPES]
             head = method_us("lm_head", m, method if method.startswith("bf16_triton") else "bf16")
             if all(t is not None for t in times) and head is not None:
@@ -556,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launches", type=int, default=20, help="calls per CUDA graph (and max weight copies)")
     ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
     ap.add_argument("--no-sweep", action="store_true", help="time the tables' configurations only")
+    ap.add_argument("--sweeps", default="bf16_triton,w8a16,w8a16_e4m3,w4a16",
+                    help="the kernels whose tile sweeps run, comma-separated")
     ap.add_argument("--time-budget-s", type=float, default=150.0,
                     help="sweep configurations not yet started after this many seconds are skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check: Triton interpreter, tiny shapes")
@@ -568,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         args.out = str(Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")) / "quant_gemm_gpu.json")
     args.rows = [int(r) for r in args.rows.split(",") if r]
+    args.sweeps = set(args.sweeps.split(","))
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",") if s}
     device = torch.device(args.device)
     dtype = torch.bfloat16

@@ -36,6 +36,9 @@ class TileConfig:
       tile to finish adds them in a fixed order: deterministic, no second kernel).
     - ``num_warps`` / ``num_stages``: Triton launch options (warps per program, software-pipelining depth of
       the loads that feed ``tl.dot``).
+    - ``fp8_dot`` (W8A16 on e4m3 activations only): the tensor cores multiply the e4m3 weight and activation
+      tiles as they are (an fp8 MMA), instead of converting both to fp16 in registers first; the weight tiles
+      then stream through shared memory in ``num_stages`` stages without touching the registers.
     """
 
     block_n: int
@@ -45,11 +48,12 @@ class TileConfig:
     split_k: int = 1
     block_m: int = 0
     use_dot: bool = True
+    fp8_dot: bool = False
 
     def describe(self) -> str:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
-                f"use_dot={self.use_dot})")
+                f"use_dot={self.use_dot}" + (", fp8_dot=True)" if self.fp8_dot else ")"))
 
 
 @dataclass
@@ -102,11 +106,15 @@ W8A16_MAX_ROWS = 32
 # for the amax in every program and was slower at every M (m=1 forward projections 4.04 ms vs 2.94 ms with the
 # fused quantizer first; m=8: 12.4 vs 3.3), so the fused quantizer always runs first.
 W8A16_INKERNEL_QUANT_MAX_ROWS = 0
+# Up to 8 rows: the fp8 MMA on the e4m3 activations the fused ops hand over (``fp8_dot``), 64 x 128 weight tiles
+# four stages deep, K split to fill the GPU. On the H200 (benchmarks/results/quant_gemm_fp8dot_gpu.json, pre-quantized
+# activations as in the engine) the four Llama-8B projections of a layer took 65.9 us at M = 1 (the CUDA-core GEMV
+# before it: 71.7; gate_up 30.7 vs 35.9 us, 90% of copy bandwidth) and 67.6 us at M = 8 (the fp16-converting
+# MMA before it: 83.6). Its cost does not depend on M up to 16 (the MMA's N side is padded to 16 rows).
 W8A16_TILES = TileTable(
     by_rows={
-        1: TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-        2: TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=1, use_dot=False),
-        8: TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=2),
+        1: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
+        8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
         32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0),
         64: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },

@@ -32,7 +32,12 @@ W8A16 design. Output channels are tiled by ``BLOCK_N``; a program streams its ``
 - tensor cores (``use_dot=True``): the swapped product ``out.T = W @ x.T`` so the output channels sit on the
   MMA's M side (>= 16 or 64) and the few activation rows on its N side; the weight tile (and the quantized
   activation tile) is converted to fp16 in registers (the activation dtype in mode "none"). Triton pipelines
-  these loads (``num_stages``) through shared memory.
+  these loads (``num_stages``) through shared memory. With e4m3 activations (mode 2) and ``fp8_dot``, the MMA
+  takes both e4m3 tiles as they are: no conversion, and the weight tiles go from global to shared memory to the
+  tensor cores without passing through the registers, so many stages of them can be in flight at M = 1. Products
+  of two e4m3 values are exact; the MMA's own running sum keeps fewer bits than fp32, so Triton adds it into the
+  fp32 accumulator every 32 of K (``FP8_PRECISE_EVERY``). On the H200 its error against the fp64 reference equals
+  the GEMV's to three digits (bf16 output rounding dominates; ``benchmarks/results/quant_gemm_fp8dot_gpu.json``).
 
 In-kernel activation quantization: before its main loop, each program reads all of K of its activation rows
 once (from L2: x is tiny next to the weights) for the row amax, hence the scale; the main loop then quantizes
@@ -58,6 +63,9 @@ from specserve.layers.quant_tiles import W8A16_TILES, TileConfig
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
+# An fp8 MMA on Hopper keeps fewer mantissa bits in its running sum than fp32 (DeepSeek-V3 report, arXiv
+# 2412.19437, section 3.3.2); Triton adds its partial sums into an fp32 accumulator every this many K elements.
+FP8_PRECISE_EVERY = tl.constexpr(32)
 _MIN_SCALE = tl.constexpr(1e-12)  # quant_gpu._MIN_SCALE: an all-zero row gets this scale
 ACT_QUANT_MODES = {"none": 0, "per_token": 1, "per_token_prequant": 2}  # -> the kernel's X_MODE
 
@@ -123,7 +131,7 @@ def _w8a16_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
-    PRECISION: tl.constexpr, X_MODE: tl.constexpr,
+    PRECISION: tl.constexpr, X_MODE: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -164,6 +172,8 @@ def _w8a16_kernel(
                 if W_VIA_F32:  # bf16: e4m3x2 -> f16x2 -> f32 -> bf16x2 (packed), cheaper than e4m3 -> f16 -> bf16
                     w = w.to(tl.float32)
                 acc_t = tl.dot(w.to(xt.dtype), xt, acc_t, input_precision=PRECISION)  # exact conversions
+            elif FP8_DOT:  # e4m3 x e4m3 on the tensor cores (X_MODE 2): exact products, fp32 sums promoted
+                acc_t = tl.dot(w, xt, acc_t, max_num_imprecise_acc=FP8_PRECISE_EVERY)  # every 32 of K
             else:
                 if X_MODE == 1:
                     xt = _fp8_quantize(xt.to(tl.float32), x_scale[None, :])
@@ -291,7 +301,7 @@ def w8a16_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
-        X_MODE=x_mode,
+        X_MODE=x_mode, FP8_DOT=cfg.use_dot and cfg.fp8_dot and x_mode == 2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -5,12 +5,13 @@ GPU they run under Triton's interpreter (tests/triton_interpreter.py), so the sh
 - W8A16 (e4m3 weights, activations quantized per token inside the kernel, the default) ==
   ``(x_q * x_scale) @ (w_q * w_scale).T`` in fp64 from the fused quantizer's x_q and scales, within fp32
   summation-order tolerance, for M in {1, 3, 16, 17, 32}, odd N, bias or none, bf16 / fp16 / fp32 activations,
-  the GEMV and tensor-core paths, in-kernel and pre-quantized activations; the in-kernel e4m3 bits == the fused
+  the GEMV and tensor-core paths (the fp8 MMA for pre-quantized activations), in-kernel and pre-quantized
+  activations; the in-kernel e4m3 bits == the fused
   quantizer's (identity weights); split K (in-launch reduction: deterministic, counters left zero); the old
   unquantized mode == ``w8a16_linear_reference``.
-- Batch invariance: a row through ``Fp8Linear`` alone (GEMV), in 8 or 32 rows (tensor cores) and in 40 rows
-  (the per-token-quantized reference, as _scaled_mm's maths) agrees to fp32 summation order, while the
-  unquantized W8A16 mode misses by far more.
+- Batch invariance: a row through ``Fp8Linear`` alone and in 8 rows (the fp8 MMA), in 32 rows (the fp16 MMA)
+  and in 40 rows (the per-token-quantized reference, as _scaled_mm's maths) agrees to fp32 summation order,
+  while the unquantized W8A16 mode misses by far more.
 - The fused FP8 activation quantizer == ``quantize_fp8_rows`` bit for bit (one- and two-pass rows, zero rows,
   subnormal e4m3 results, bf16 / fp16 / fp32 inputs).
 - W4A16's GEMV path (M <= 4 per row tile) and tensor-core path with bias and split K == ``int4_linear_reference``.
@@ -76,6 +77,7 @@ def _fp8_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int 
 # ---- W8A16 ----------------------------------------------------------------------------------------------------
 GEMV = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=False)
 DOT = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
+FP8_DOT = TileConfig(block_n=16, block_k=64, num_warps=4, num_stages=3, fp8_dot=True)  # e4m3 x e4m3 MMA (mode 2)
 
 
 def _fp64_reference(
@@ -101,7 +103,7 @@ def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: 
     ref_q, ref_scale = quantize_fp8_rows(x)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(x_scale, ref_scale)
     ref = _fp64_reference(x_q, x_scale, w_q, w_scale, b)
-    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64)):
+    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), FP8_DOT):
         for act_quant in ("per_token", "per_token_prequant"):
             out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant=act_quant)
             assert out.dtype == dtype
@@ -195,8 +197,9 @@ def test_fp8_linear_uses_the_kernel_for_small_m(kernels) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype) -> None:
     """Speculative greedy == plain greedy needs a token's logits independent of its step's row count: a row
-    alone (GEMV path), among 8 and 32 rows (tensor-core path, split K) and among 40 rows (above
-    W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation order
+    alone and among 8 rows (the fp8 MMA, split K), among 32 rows (the fp16-converting MMA, split K) and among 40
+    rows (above W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation
+    order
     (rtol 1e-5 of the row's largest output; for bf16 plus one output rounding), and the contrast is real: the
     unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance."""
     gen = torch.Generator().manual_seed(21)
@@ -279,5 +282,7 @@ def test_tile_table_buckets_shapes_and_override() -> None:
     with override(table, by_rows={8: c}, by_shape={}):
         assert table.lookup(1, 6144, 4096) is c and table.lookup(100, 1, 1) is c
     assert table.lookup(1, 4096, 4096) is a and table.lookup(1, 6144, 4096) is c
-    assert W8A16_TILES.lookup(1, 4096, 4096).use_dot is False  # decode rows run the GEMV path
+    decode = W8A16_TILES.lookup(1, 4096, 4096)  # decode rows: the fp8 MMA on the fused ops' e4m3 activations
+    assert decode.use_dot and decode.fp8_dot
     assert "use_dot=False" in a.describe() and eval(a.describe()) == a  # describe() pastes back as code
+    assert eval(decode.describe()) == decode

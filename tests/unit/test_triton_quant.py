@@ -199,9 +199,8 @@ def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype
     """Speculative greedy == plain greedy needs a token's logits independent of its step's row count: a row
     alone and among 8 rows (the fp8 MMA, split K), among 32 rows (the fp16-converting MMA, split K) and among 40
     rows (above W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation
-    order
-    (rtol 1e-5 of the row's largest output; for bf16 plus one output rounding), and the contrast is real: the
-    unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance."""
+    order (rtol 1e-5 of the row's largest output; for bf16 plus one output rounding), and the contrast is real:
+    the unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance."""
     gen = torch.Generator().manual_seed(21)
     n, k = 37, 160
     w, b = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)

@@ -5,6 +5,7 @@ limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
             and gather the prompt files and earlier samples into .carry/d
     stage   copy what the call carried (a GGUF part, prompt files) to /tmp/stage; one call per part, back to
             back (the machine is released after ~30 s idle, and /tmp with it)
+    generate  samples only (the target's answers to every training prompt), into $OUT/<name> for ``train --data``
     train   join the GGUF parts, run ``specserve train-draft`` for EAGLE-3 (data generated with our engine,
             time-bounded, or --data .carry/d/gen*) and P-EAGLE (same data), pack the heads into $OUT
             (a later ``train --total-steps N`` call resumes the checkpoint an earlier call left in /tmp/work)
@@ -137,6 +138,37 @@ def train(args) -> None:
                                 "cuda", data_dir or str(WORK / "eagle3"), args.per_file, extra_data=extra)
     if not args.no_pack:
         pack(reports)
+
+
+def generate(args) -> None:
+    """Samples only, no training: the target answers the training prompts (``--max-turns`` user turns each,
+    ``--answers-per-conversation`` answers, the first greedy for 75%), for at most ``--gen-seconds``; the
+    samples go to /tmp/work/<name>/ and $OUT/<name>/ (``data_train.npz`` / ``data_held_out.npz``, for ``train
+    --data``) with the generation stats."""
+    from specserve.config import TrainDraftConfig
+    from specserve.models.loader import load_model
+    from specserve.train.data import expand_paths
+    from specserve.train.generate import save_samples
+    from specserve.train.pipeline import generate_data
+
+    gguf = join_gguf()
+    data = STAGE / "data"
+    device = torch.device("cuda")
+    cfg = TrainDraftConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                           answers_per_conversation=args.answers_per_conversation,
+                           max_generate_seconds=args.gen_seconds)
+    max_len = 1024 + args.max_new_tokens
+    parts = load_model(str(gguf), "bfloat16", device, max_len)
+    train, held, stats = generate_data(parts, cfg, expand_paths([str(data / s) for s in TRAIN_SOURCES]), device,
+                                       args.per_file, max_len, args.max_num_seqs, 24.0)
+    name = args.name or "gen"
+    for root in (WORK, OUT):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        save_samples(train, root / name / "data_train.npz")
+        save_samples(held, root / name / "data_held_out.npz")
+        (root / name / "generate_stats.json").write_text(json.dumps(stats, indent=2))
+    print(f"generated {len(train)} train / {len(held)} held-out samples, "
+          f"{stats['train']['generated_tokens']} tokens in {stats['train']['seconds']:.0f} s", flush=True)
 
 
 def pack(reports: dict) -> None:
@@ -341,7 +373,7 @@ def merge(heads: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["split", "stage", "train", "eval", "speed", "merge", "pack"])
+    ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "merge", "pack"])
     ap.add_argument("--part-mb", type=float, default=25.0, help="split: GGUF part size")
     ap.add_argument("--gen-seconds", type=float, default=210)
     ap.add_argument("--train-seconds", type=float, default=110)
@@ -371,6 +403,9 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=0, help="held-out estimate every N steps; keep the best")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--max-turns", type=int, default=3, help="generate: user turns answered per conversation")
+    ap.add_argument("--answers-per-conversation", type=int, default=1,
+                    help="generate: answers per training conversation (the further ones sampled)")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--per-file", type=int, default=800)
@@ -383,7 +418,8 @@ def main() -> int:
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3", help="speed: the head (repo path)")
     ap.add_argument("--c1-prompts", type=int, default=12, help="speed: prompts per set run one at a time")
     args = ap.parse_args()
-    {"split": lambda: split(args.part_mb), "stage": lambda: stage(), "train": lambda: train(args),
+    {"split": lambda: split(args.part_mb), "stage": lambda: stage(),
+     "generate": lambda: generate(args), "train": lambda: train(args),
      "eval": lambda: evaluate(args), "speed": lambda: speed(args), "merge": lambda: merge(args.heads),
      "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack})}[
         args.phase]()

@@ -213,6 +213,10 @@ class TrainDraftConfig:
     max_turns: int = 3  # user turns regenerated per conversation
     sampled_fraction: float = 0.25  # share of conversations answered at sampling_temperature (the rest greedy)
     sampling_temperature: float = 0.7
+    # answers per training conversation: the first greedy or sampled as above, every further one sampled at
+    # sampling_temperature with its own seed (more of the target's distribution on the same prompts); a
+    # time-bounded run answers every conversation once before any second answer. Held-out: one greedy answer.
+    answers_per_conversation: int = 1
     held_out_fraction: float = 0.02
     max_generate_seconds: float = 0.0  # 0: answer every prompt; else start no new group of prompts after this
     # optimisation
@@ -249,6 +253,9 @@ class TrainDraftConfig:
         _require(self.head_intermediate_size >= 0, "head_intermediate_size", "must be >= 0 (0: the target's)")
         _require(self.draft_vocab_size >= 1, "draft_vocab_size", "must be positive")
         _require(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", "must be in [0, 1]")
+        _require(self.answers_per_conversation >= 1, "answers_per_conversation", "must be at least 1")
+        _require(self.answers_per_conversation == 1 or self.sampling_temperature > 0, "answers_per_conversation",
+                 "more than one answer needs sampling_temperature > 0 (further answers are sampled)")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
         _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")

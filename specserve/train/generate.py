@@ -41,18 +41,25 @@ def _render(tokenizer, conv: Conversation, answers: list[str], turn: int) -> lis
 
 def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tokens: int,
                sampled_fraction: float, temperature: float, seed: int = 0, max_in_flight: int = 1024,
-               max_seconds: float | None = None, progress: bool = True) -> tuple[list[Sample], dict]:
+               max_seconds: float | None = None, progress: bool = True,
+               answers_per_conversation: int = 1) -> tuple[list[Sample], dict]:
     """Answer every user turn of every conversation with ``engine``; returns (samples, stats). Conversation
     ``i`` is sampled (seed ``seed + i``) when ``i`` falls in the first ``sampled_fraction`` of a seeded
-    permutation, greedy otherwise. Conversations go ``max_in_flight`` at a time, all their turns before the next
-    group; after ``max_seconds`` no new group starts (stats say how many were answered). Prompts that leave no
-    room for an answer are skipped (counted in stats)."""
+    permutation, greedy otherwise. With ``answers_per_conversation`` = c > 1 the list is answered c times over:
+    pass ``r`` (1 .. c - 1) answers conversation ``i`` again, sampled with seed ``seed + r * n + i`` (n
+    conversations), after every conversation of pass ``r - 1``. Conversations go ``max_in_flight`` at a time, all
+    their turns before the next group; after ``max_seconds`` no new group starts (stats say how many were
+    answered). Prompts that leave no room for an answer are skipped (counted in stats)."""
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(conversations))
-    sampled = set(order[:round(sampled_fraction * len(conversations))].tolist())
+    n = len(conversations)
+    order = rng.permutation(n)
+    sampled = set(order[:round(sampled_fraction * n)].tolist())
+    sampled |= set(range(n, n * answers_per_conversation))  # every further pass is sampled
+    conversations = conversations * answers_per_conversation  # index r * n + i: pass r of conversation i
     max_len = engine.config.scheduler.max_model_len
     samples: list[Sample] = []
-    stats = {"conversations": len(conversations), "answered_conversations": 0, "samples": 0, "skipped_long": 0,
+    stats = {"conversations": n, "answers_per_conversation": answers_per_conversation,
+             "answered_conversations": 0, "samples": 0, "skipped_long": 0,
              "generated_tokens": 0, "sampled_conversations": len(sampled), "seconds": 0.0}
     start = time.perf_counter()
     for group_start in range(0, len(conversations), max_in_flight):

@@ -60,7 +60,8 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
                                          cfg.seed + 1, progress=progress)
     train, stats["train"] = regenerate(engine, tokenizer, train_convs, cfg.max_new_tokens, cfg.sampled_fraction,
                                        cfg.sampling_temperature, cfg.seed, max_in_flight=max_num_seqs * 4,
-                                       max_seconds=budget, progress=progress)
+                                       max_seconds=budget, progress=progress,
+                                       answers_per_conversation=cfg.answers_per_conversation)
     return train, held, stats
 
 

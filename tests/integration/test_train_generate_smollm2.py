@@ -57,6 +57,27 @@ def test_sampled_answers_are_reproducible(engine) -> None:
     assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
 
 
+def test_further_answers_per_conversation_are_sampled_after_every_first_answer(engine) -> None:
+    """``answers_per_conversation`` = 2: the first pass is the one-answer run (greedy here), the second answers
+    every turn again, sampled (reproducibly, and not the greedy answer), each conversation's second pass seeing
+    its own sampled earlier answers."""
+    tok = engine.tokenizer
+    kw = dict(max_new_tokens=12, sampled_fraction=0.0, temperature=1.0, seed=3, progress=False)
+    once, _ = regenerate(engine, tok, CONVERSATIONS, **kw)
+    twice, stats = regenerate(engine, tok, CONVERSATIONS, answers_per_conversation=2, **kw)
+    again, _ = regenerate(engine, tok, CONVERSATIONS, answers_per_conversation=2, **kw)
+    assert stats["samples"] == len(twice) == 2 * len(once) == 8
+    assert stats["answered_conversations"] == 6 and stats["sampled_conversations"] == 3
+    first = [s.token_ids for s in once]
+    extra = [s.token_ids for s in twice if s.token_ids not in first]
+    assert sorted(s.token_ids for s in twice if s.token_ids in first) == sorted(first)
+    assert len(extra) == 4 and extra == [s.token_ids for s in again if s.token_ids not in first]
+    # the second pass's prompts are the first pass's for first turns (same rendering, other answer)
+    prompts = {tuple(s.token_ids[:s.num_prompt]) for s in once}
+    firsts = [s for s in twice if s.token_ids in extra and tuple(s.token_ids[:s.num_prompt]) in prompts]
+    assert len(firsts) == 3
+
+
 def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> None:
     from specserve.train.generate import _render, dataset_samples
 

@@ -337,6 +337,11 @@ def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["train-draft", "--out", str(tmp_path)])
     assert "--prompts" in capsys.readouterr().err
+    for bad in (["--answers-per-conversation", "0"],
+                ["--answers-per-conversation", "3", "--sampling-temperature", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["train-draft", "--out", str(tmp_path), "--prompts", "x.jsonl", *bad])
+        assert exc.value.code == 2 and "answers_per_conversation" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

@@ -222,13 +222,14 @@ def eval_prompts(data: Path, gsm8k_limit: int) -> dict[str, list[list[dict]]]:
     return {"mt_bench": mt, "humaneval": he, "gsm8k": gsm}
 
 
-def evaluate(args) -> None:
+def eval_engine(args, heads: dict[str, Path], extra: dict | None = None):
+    """(engine, prompt ids per evaluation set): the real target (bf16, CUDA graphs) from the staged GGUF with the
+    EAGLE heads of ``heads`` (method -> directory; a directory without config.json is skipped) and the ``extra``
+    proposers (name -> proposer) loaded, and the chat-templated MT-Bench / HumanEval / GSM8K prompts."""
     from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from specserve.engine.engine import LLMEngine
     from specserve.models.loader import load_model
-    from specserve.sampling import SamplingParams
     from specserve.spec.eagle3 import load_eagle_proposer
-    from specserve.spec.params import SpecParams
 
     gguf = join_gguf()
     device = torch.device("cuda")
@@ -237,14 +238,21 @@ def evaluate(args) -> None:
                               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                                                         max_model_len=2048))
     probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
-    dirs = {"eagle3": WORK / args.eagle3_dir, "peagle": WORK / args.peagle_dir}
     proposers = {m: load_eagle_proposer(m, str(d), model, config, probe.runner.num_blocks, 16, device)
-                 for m, d in dirs.items() if (d / "config.json").exists()}
+                 for m, d in heads.items() if (d / "config.json").exists()} | (extra or {})
     del probe
     torch.cuda.empty_cache()
     engine = LLMEngine(engine_cfg, model, config, tok, proposers=proposers)
     sets = eval_prompts(STAGE / "data", args.gsm8k_limit)
-    ids = {name: [tok.encode(tok.apply_chat_template(m)) for m in msgs] for name, msgs in sets.items()}
+    return engine, {name: [tok.encode(tok.apply_chat_template(m)) for m in msgs] for name, msgs in sets.items()}
+
+
+def evaluate(args) -> None:
+    from specserve.sampling import SamplingParams
+    from specserve.spec.params import SpecParams
+
+    engine, ids = eval_engine(args, {"eagle3": WORK / args.eagle3_dir, "peagle": WORK / args.peagle_dir})
+    proposers = engine.proposers
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0),
                      "num_prompts": {k: len(v) for k, v in ids.items()}, "max_tokens": args.max_tokens,
@@ -282,29 +290,13 @@ def speed(args) -> None:
     set one after another) and with the whole set submitted at once. Greedy speculation is lossless up to the
     rounding of bf16 GEMMs over other row counts, so the outputs are compared with plain decoding's and the
     share that is identical token for token is recorded. Writes $OUT/speed.json."""
-    from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-    from specserve.engine.engine import LLMEngine
-    from specserve.models.loader import load_model
+    from specserve.config import SpecConfig
     from specserve.sampling import SamplingParams
-    from specserve.spec.eagle3 import load_eagle_proposer
     from specserve.spec.ngram import NgramProposer
     from specserve.spec.params import SpecParams
 
-    gguf = join_gguf()
-    device = torch.device("cuda")
-    model, config, tok = load_model(str(gguf), "bfloat16", device, 2048)
-    engine_cfg = EngineConfig(device="cuda", cache=CacheConfig(kv_cache_memory_gib=40.0),
-                              scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
-                                                        max_model_len=2048))
-    probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
-    proposers = {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max),
-                 "eagle3": load_eagle_proposer("eagle3", str(ROOT / args.eagle3_head), model, config,
-                                               probe.runner.num_blocks, 16, device)}
-    del probe
-    torch.cuda.empty_cache()
-    engine = LLMEngine(engine_cfg, model, config, tok, proposers=proposers)
-    sets = eval_prompts(STAGE / "data", args.gsm8k_limit)
-    ids = {name: [tok.encode(tok.apply_chat_template(m)) for m in msgs] for name, msgs in sets.items()}
+    engine, ids = eval_engine(args, {"eagle3": ROOT / args.eagle3_head},
+                              {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     methods = [("none", 0), ("eagle3", 3), ("eagle3", 5), ("ngram", 3)]
     for method, k in methods:  # warm-up: graph capture and kernel selection stay out of the timings
@@ -334,7 +326,8 @@ def speed(args) -> None:
                 row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
                        "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
-                       "identical_to_plain": sum(a == b for a, b in zip(outs, plain[(name, mode)])) / len(outs)}
+                       "identical_to_plain": sum(a == b for a, b in zip(outs, plain[(name, mode)]))
+                       / max(len(outs), 1)}
                 base = next(r for r in results["rows"] if (r["set"], r["mode"], r["method"]) == (name, mode, "none")) \
                     if method != "none" else row
                 row["speedup_vs_plain"] = row["tok_s"] / base["tok_s"]

@@ -110,10 +110,10 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # four stages deep, K split to fill the GPU. On the H200 (benchmarks/results/quant_gemm_fp8dot_gpu.json, pre-quantized
 # activations as in the engine) the four Llama-8B projections of a layer took 65.9 us at M = 1 (the CUDA-core GEMV
 # before it: 71.7; gate_up 30.7 vs 35.9 us, 90% of copy bandwidth) and 67.6 us at M = 8 (the fp16-converting
-# MMA before it: 83.6). Its cost does not depend on M up to 16 (the MMA's N side is padded to 16 rows).
+# MMA before it: 83.6). Rows 9 to 16 would pad to the same MMA but were not timed; they keep the fp16 MMA.
+# Numerics: see triton_w8a16's docstring (the fp8 MMA's partial sums of 32 products).
 W8A16_TILES = TileTable(
     by_rows={
-        1: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
         8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
         32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0),
         64: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),

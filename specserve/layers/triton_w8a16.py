@@ -11,18 +11,24 @@
    _scaled_mm path quantizes. Every product of two e4m3 values is exact in fp32 (and in the fp16 MMA), so the
    kernel computes ``fp8_linear_reference`` (``quant_gpu.py``) up to fp32 summation order, for every row
    count: a token's output does not depend on the batch it shares a step with (decode at batch b vs a
-   speculative verify of b x (k + 1) rows) beyond summation order. One launch per projection, for the small row
-   counts of decoding (M of 1 to a few dozen), where a GEMM is bound by the bytes of weight it streams. Two
-   other activation modes (``act_quant``): ``"per_token_prequant"`` (the same maths, the activations quantized
-   by 2. first: one more launch, half the activation bytes, no per-program amax pass) and ``"none"``
-   (activations not quantized: ``w8a16_linear_reference``, the maths of the kernel before the per-token mode).
+   speculative verify of b x (k + 1) rows) beyond summation order. The one exception is the fp8 MMA
+   (``fp8_dot``, the default tiles up to 8 rows): on Hopper its running sum over each 32 products keeps fewer
+   bits than fp32 (about 14, DeepSeek-V3 report, arXiv 2412.19437, section 3.3.2) before it is added into fp32,
+   so there a row differs from the other paths by up to about 2^-14 of the sum's magnitude instead. One launch
+   per projection, for the small row counts of decoding (M of 1 to a few dozen), where a GEMM is bound by the bytes
+   of weight it streams. Two other activation modes (``act_quant``): ``"per_token_prequant"`` (the same maths, the
+   activations quantized by 2. first: one more launch, half the activation bytes, no per-program amax pass) and
+   ``"none"`` (activations not quantized: ``w8a16_linear_reference``, the maths of the kernel before the per-token
+   mode).
 2. ``quantize_fp8_rows_triton``: per-row (per-token) quantization of activations for ``torch._scaled_mm`` at
    larger M, one kernel instead of torch's eight (float, abs, amax, div, clamp, div, clamp, to), with
    ``quantize_fp8_rows``'s exact numerics (IEEE division, round to nearest even).
 
 W8A16 design. Output channels are tiled by ``BLOCK_N``; a program streams its ``BLOCK_N x K`` slab of weights
 (``BLOCK_K`` bytes contiguous per row per step) and keeps all M rows of activations of the launch (``BLOCK_M``
->= M), so every weight byte is read once. Two ways to multiply, chosen per row bucket in ``layers/quant_tiles.py``:
+>= M), so every weight byte is read once. Three ways to multiply, chosen per row bucket in
+``layers/quant_tiles.py`` (the default tables use the fp8 MMA up to 8 rows and the fp16 MMA above; the GEMV
+serves tables that ask for it, e.g. an ``override`` in a benchmark):
 
 - GEMV (``use_dot=False``, M of 1 to 4): fp32 FMAs on the CUDA cores into one ``[BLOCK_N, BLOCK_K]``
   accumulator per row, summed over K once at the end; the weight tile stays in the registers it was loaded into
@@ -281,7 +287,8 @@ def w8a16_linear(
         return out
     cfg = config or W8A16_TILES.lookup(m, n, k)
     block_m, block_n = _block_m(cfg, m), cfg.block_n
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
+    block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
@@ -301,7 +308,7 @@ def w8a16_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
-        X_MODE=x_mode, FP8_DOT=cfg.use_dot and cfg.fp8_dot and x_mode == 2,
+        X_MODE=x_mode, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -47,9 +47,11 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
     ``i`` is sampled (seed ``seed + i``) when ``i`` falls in the first ``sampled_fraction`` of a seeded
     permutation, greedy otherwise. With ``answers_per_conversation`` = c > 1 the list is answered c times over:
     pass ``r`` (1 .. c - 1) answers conversation ``i`` again, sampled with seed ``seed + r * n + i`` (n
-    conversations), after every conversation of pass ``r - 1``. Conversations go ``max_in_flight`` at a time, all
-    their turns before the next group; after ``max_seconds`` no new group starts (stats say how many were
-    answered). Prompts that leave no room for an answer are skipped (counted in stats)."""
+    conversations), at index ``r * n + i`` of the list. The list goes ``max_in_flight`` answers at a time in
+    index order (a group may hold the end of one pass and the start of the next), all their turns before the
+    next group; after ``max_seconds`` no new group starts, so a cut-short run has answered every conversation
+    of pass r - 1 before any of pass r (stats: ``answered`` of ``planned`` answers, ``sampled`` among them).
+    Prompts that leave no room for an answer are skipped (counted in stats)."""
     rng = np.random.default_rng(seed)
     n = len(conversations)
     order = rng.permutation(n)
@@ -59,8 +61,8 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
     max_len = engine.config.scheduler.max_model_len
     samples: list[Sample] = []
     stats = {"conversations": n, "answers_per_conversation": answers_per_conversation,
-             "answered_conversations": 0, "samples": 0, "skipped_long": 0,
-             "generated_tokens": 0, "sampled_conversations": len(sampled), "seconds": 0.0}
+             "planned": len(conversations), "answered": 0, "sampled": 0, "samples": 0, "skipped_long": 0,
+             "generated_tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
     for group_start in range(0, len(conversations), max_in_flight):
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
@@ -91,7 +93,8 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
                 samples.append(Sample(list(ids) + list(req.output_ids), len(ids)))
                 answers[i].append(req.output_text)
                 stats["generated_tokens"] += len(req.output_ids)
-        stats["answered_conversations"] += len(group)
+        stats["answered"] += len(group)
+        stats["sampled"] += sum(i in sampled for i in group)
     stats["samples"] = len(samples)
     stats["seconds"] = time.perf_counter() - start
     return samples, stats

@@ -67,7 +67,7 @@ def test_further_answers_per_conversation_are_sampled_after_every_first_answer(e
     twice, stats = regenerate(engine, tok, CONVERSATIONS, answers_per_conversation=2, **kw)
     again, _ = regenerate(engine, tok, CONVERSATIONS, answers_per_conversation=2, **kw)
     assert stats["samples"] == len(twice) == 2 * len(once) == 8
-    assert stats["answered_conversations"] == 6 and stats["sampled_conversations"] == 3
+    assert (stats["planned"], stats["answered"], stats["sampled"]) == (6, 6, 3)
     first = [s.token_ids for s in once]
     extra = [s.token_ids for s in twice if s.token_ids not in first]
     assert sorted(s.token_ids for s in twice if s.token_ids in first) == sorted(first)

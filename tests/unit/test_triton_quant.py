@@ -80,6 +80,11 @@ DOT = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
 FP8_DOT = TileConfig(block_n=16, block_k=64, num_warps=4, num_stages=3, fp8_dot=True)  # e4m3 x e4m3 MMA (mode 2)
 
 
+# On a GPU the fp8 MMA's partial sums of 32 products keep about 14 bits before fp32 (triton_w8a16's docstring):
+# its outputs are checked to 2^-12 of the row's largest output there; the interpreter's fp8 dot is exact.
+FP8_MMA_RTOL = 2.0**-12 if DEVICE.type == "cuda" else 1e-5
+
+
 def _fp64_reference(
     x_q: torch.Tensor,  # [M, K] float8_e4m3fn, the fused quantizer's
     x_scale: torch.Tensor,  # [M, 1] fp32
@@ -103,11 +108,13 @@ def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: 
     ref_q, ref_scale = quantize_fp8_rows(x)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(x_scale, ref_scale)
     ref = _fp64_reference(x_q, x_scale, w_q, w_scale, b)
-    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), FP8_DOT):
+    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), FP8_DOT,
+                dataclasses.replace(FP8_DOT, block_k=32, split_k=3)):
         for act_quant in ("per_token", "per_token_prequant"):
             out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant=act_quant)
             assert out.dtype == dtype
-            assert_rounded_from(out, ref)
+            fp8_mma = cfg.fp8_dot and act_quant == "per_token_prequant"
+            assert_rounded_from(out, ref, FP8_MMA_RTOL if fp8_mma else 1e-5)
     _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=GEMV), fp8_linear_reference(x, w_q, w_scale, b))
 
 
@@ -197,10 +204,12 @@ def test_fp8_linear_uses_the_kernel_for_small_m(kernels) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype) -> None:
     """Speculative greedy == plain greedy needs a token's logits independent of its step's row count: a row
-    alone and among 8 rows (the fp8 MMA, split K), among 32 rows (the fp16-converting MMA, split K) and among 40
-    rows (above W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation
+    alone and among 8 rows (the fp8 MMA), among 32 rows (the fp16-converting MMA, split K) and among 40 rows
+    (above W8A16_MAX_ROWS: the per-token-quantized reference, _scaled_mm's maths) agree within fp32 summation
     order (rtol 1e-5 of the row's largest output; for bf16 plus one output rounding), and the contrast is real:
-    the unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance."""
+    the unquantized W8A16 mode misses the 40-row result by more than 100 times that tolerance. On a GPU the fp8
+    MMA's partial sums of 32 products keep about 14 bits (triton_w8a16's docstring): there rows of up to 8 may
+    differ by up to 2^-12 of the row's largest output instead (``FP8_MMA_RTOL``, still inside the contrast)."""
     gen = torch.Generator().manual_seed(21)
     n, k = 37, 160
     w, b = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
@@ -210,12 +219,13 @@ def test_fp8_linear_row_does_not_depend_on_the_batch(kernels, dtype: torch.dtype
     exact = _fp64_reference(*quantize_fp8_rows(x.cpu()), layer.weight.cpu(), layer.weight_scale.cpu(),
                             layer.bias.cpu())
     tol = assert_rounded_from(batch, exact)
-    for rows in (8, 32):
-        assert_rounded_from(layer(x[:rows]), exact[:rows])
+    assert_rounded_from(layer(x[:8]), exact[:8], FP8_MMA_RTOL)  # up to 8 rows: the fp8 MMA
+    assert_rounded_from(layer(x[:32]), exact[:32])
     singles = torch.cat([layer(x[i:i + 1]) for i in (0, 5, 39)])
-    assert_rounded_from(singles, exact[[0, 5, 39]])
+    assert_rounded_from(singles, exact[[0, 5, 39]], FP8_MMA_RTOL)
     if dtype == torch.float32:
-        torch.testing.assert_close(singles, batch[[0, 5, 39]], rtol=0, atol=2 * tol)
+        fp8_mma = FP8_MMA_RTOL * batch[[0, 5, 39]].abs().amax().item()
+        torch.testing.assert_close(singles, batch[[0, 5, 39]], rtol=0, atol=max(2 * tol, fp8_mma))
     layer.activation_quant = "none"
     old = torch.cat([layer(x[i:i + 1]) for i in (0, 5, 39)])
     assert (old.double() - batch[[0, 5, 39]].double()).abs().max().item() > 100 * tol

@@ -142,7 +142,8 @@ def train(args) -> None:
 
 def generate(args) -> None:
     """Samples only, no training: the target answers the training prompts (``--max-turns`` user turns each,
-    ``--answers-per-conversation`` answers, the first greedy for 75%), for at most ``--gen-seconds``; the
+    ``--answers-per-conversation`` answers or ``--answers-per-source``'s, the first greedy for 75%), for at most
+    ``--gen-seconds``; the
     samples go to /tmp/work/<name>/ and $OUT/<name>/ (``data_train.npz`` / ``data_held_out.npz``, for ``train
     --data``) with the generation stats."""
     from specserve.config import TrainDraftConfig
@@ -156,7 +157,7 @@ def generate(args) -> None:
     device = torch.device("cuda")
     cfg = TrainDraftConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                            answers_per_conversation=args.answers_per_conversation,
-                           max_generate_seconds=args.gen_seconds)
+                           answers_per_source=args.answers_per_source, max_generate_seconds=args.gen_seconds)
     max_len = 1024 + args.max_new_tokens
     parts = load_model(str(gguf), "bfloat16", device, max_len)
     train, held, stats = generate_data(parts, cfg, expand_paths([str(data / s) for s in TRAIN_SOURCES]), device,
@@ -399,6 +400,8 @@ def main() -> int:
     ap.add_argument("--max-turns", type=int, default=3, help="generate: user turns answered per conversation")
     ap.add_argument("--answers-per-conversation", type=int, default=1,
                     help="generate: answers per training conversation (the further ones sampled)")
+    ap.add_argument("--answers-per-source", default="",
+                    help="generate: NAME=N,... answers for conversations of prompt files whose name holds NAME")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--per-file", type=int, default=800)

@@ -217,6 +217,9 @@ class TrainDraftConfig:
     # sampling_temperature with its own seed (more of the target's distribution on the same prompts); a
     # time-bounded run answers every conversation once before any second answer. Held-out: one greedy answer.
     answers_per_conversation: int = 1
+    # per prompt file: "NAME=N,..." gives conversations of files whose name contains NAME N answers instead (the
+    # largest matching N), e.g. "sharegpt=3,codegen=2": more answers where the prompts resemble the traffic
+    answers_per_source: str = ""
     held_out_fraction: float = 0.02
     max_generate_seconds: float = 0.0  # 0: answer every prompt; else start no new group of prompts after this
     # optimisation
@@ -256,6 +259,14 @@ class TrainDraftConfig:
         _require(self.answers_per_conversation >= 1, "answers_per_conversation", "must be at least 1")
         _require(self.answers_per_conversation == 1 or self.sampling_temperature > 0, "answers_per_conversation",
                  "more than one answer needs sampling_temperature > 0 (further answers are sampled)")
+        try:
+            per_source = self.source_answer_counts()
+        except ValueError:
+            per_source = None
+        _require(per_source is not None and all(n >= 1 for n in per_source.values()), "answers_per_source",
+                 "must be NAME=N pairs separated by commas, N >= 1 (e.g. sharegpt=3,codegen=2)")
+        _require(all(n == 1 for n in per_source.values()) or self.sampling_temperature > 0, "answers_per_source",
+                 "more than one answer needs sampling_temperature > 0 (further answers are sampled)")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
         _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")
@@ -264,3 +275,20 @@ class TrainDraftConfig:
         _require(self.num_spec_tokens >= 1, "num_spec_tokens", "must be at least 1")
         _require(self.max_seq_len >= 4 and self.max_batch_tokens >= self.max_seq_len, "max_batch_tokens",
                  "must be at least max_seq_len (>= 4)")
+
+    def source_answer_counts(self) -> dict[str, int]:
+        """``answers_per_source`` as {name substring: answers}; ValueError when malformed."""
+        counts = {}
+        for pair in (p.strip() for p in self.answers_per_source.split(",")):
+            if not pair:
+                continue
+            name, sep, n = pair.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(pair)
+            counts[name.strip()] = int(n)
+        return counts
+
+    def answers_for(self, source: str) -> int:
+        """Answers per training conversation of the prompt file named ``source``."""
+        matches = [n for name, n in self.source_answer_counts().items() if name in source]
+        return max(matches) if matches else self.answers_per_conversation

@@ -42,25 +42,30 @@ def _render(tokenizer, conv: Conversation, answers: list[str], turn: int) -> lis
 def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tokens: int,
                sampled_fraction: float, temperature: float, seed: int = 0, max_in_flight: int = 1024,
                max_seconds: float | None = None, progress: bool = True,
-               answers_per_conversation: int = 1) -> tuple[list[Sample], dict]:
+               answers_per_conversation: int | list[int] = 1) -> tuple[list[Sample], dict]:
     """Answer every user turn of every conversation with ``engine``; returns (samples, stats). Conversation
     ``i`` is sampled (seed ``seed + i``) when ``i`` falls in the first ``sampled_fraction`` of a seeded
-    permutation, greedy otherwise. With ``answers_per_conversation`` = c > 1 the list is answered c times over:
-    pass ``r`` (1 .. c - 1) answers conversation ``i`` again, sampled with seed ``seed + r * n + i`` (n
-    conversations), at index ``r * n + i`` of the list. The list goes ``max_in_flight`` answers at a time in
-    index order (a group may hold the end of one pass and the start of the next), all their turns before the
-    next group; after ``max_seconds`` no new group starts, so a cut-short run has answered every conversation
-    of pass r - 1 before any of pass r (stats: ``answered`` of ``planned`` answers, ``sampled`` among them).
-    Prompts that leave no room for an answer are skipped (counted in stats)."""
+    permutation, greedy otherwise. ``answers_per_conversation`` (one count for all, or one per conversation):
+    conversation ``i`` with c_i > 1 answers is answered again in passes ``r`` = 1 .. c_i - 1, sampled with seed
+    ``seed + r * n + i`` (n conversations). The answers go ``max_in_flight`` at a time, pass by pass, each pass
+    in conversation order (a group may hold the end of one pass and the start of the next), all their turns
+    before the next group; after ``max_seconds`` no new group starts, so a cut-short run has answered every
+    conversation of pass r - 1 before any of pass r (stats: ``answered`` of ``planned`` answers, ``sampled``
+    among them). Prompts that leave no room for an answer are skipped (counted in stats)."""
     rng = np.random.default_rng(seed)
     n = len(conversations)
+    counts = answers_per_conversation if isinstance(answers_per_conversation, list) else [answers_per_conversation] * n
+    if len(counts) != n or min(counts, default=1) < 1:
+        raise ValueError("answers_per_conversation: one count >= 1 per conversation")
     order = rng.permutation(n)
-    sampled = set(order[:round(sampled_fraction * n)].tolist())
-    sampled |= set(range(n, n * answers_per_conversation))  # every further pass is sampled
-    conversations = conversations * answers_per_conversation  # index r * n + i: pass r of conversation i
+    first_sampled = set(order[:round(sampled_fraction * n)].tolist())
+    # answer j of the run: pass r of conversation i, key r * n + i (its seed offset); every further pass sampled
+    keys = [r * n + i for r in range(max(counts, default=1)) for i in range(n) if counts[i] > r]
+    sampled = {j for j, key in enumerate(keys) if key >= n or key in first_sampled}
+    conversations = [conversations[key % n] for key in keys]
     max_len = engine.config.scheduler.max_model_len
     samples: list[Sample] = []
-    stats = {"conversations": n, "answers_per_conversation": answers_per_conversation,
+    stats = {"conversations": n, "answers_per_conversation": max(counts, default=1),
              "planned": len(conversations), "answered": 0, "sampled": 0, "samples": 0, "skipped_long": 0,
              "generated_tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
@@ -86,7 +91,7 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
                 break
             params = [SamplingParams(max_tokens=min(max_new_tokens, max_len - len(ids)),
                                      temperature=temperature if i in sampled else 0.0,
-                                     seed=seed + i if i in sampled else None) for i, ids in jobs]
+                                     seed=seed + keys[i] if i in sampled else None) for i, ids in jobs]
             reqs = _run(engine, [ids for _, ids in jobs], params, progress,
                         f"conversations {group_start + 1}-{group[-1] + 1}/{len(conversations)} turn {turn + 1}")
             for (i, ids), req in zip(jobs, reqs):

@@ -61,7 +61,7 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     train, stats["train"] = regenerate(engine, tokenizer, train_convs, cfg.max_new_tokens, cfg.sampled_fraction,
                                        cfg.sampling_temperature, cfg.seed, max_in_flight=max_num_seqs * 4,
                                        max_seconds=budget, progress=progress,
-                                       answers_per_conversation=cfg.answers_per_conversation)
+                                       answers_per_conversation=[cfg.answers_for(c.source) for c in train_convs])
     return train, held, stats
 
 

@@ -78,6 +78,29 @@ def test_further_answers_per_conversation_are_sampled_after_every_first_answer(e
     assert len(firsts) == 3
 
 
+def test_answer_counts_per_conversation_follow_the_prompt_file(engine) -> None:
+    """``answers_per_source``: conversations of files whose name matches get that many answers (the largest
+    match), the others ``answers_per_conversation``; one count per conversation reaches ``regenerate``, and a
+    conversation's further answers do not depend on the other conversations' counts."""
+    from specserve.config import TrainDraftConfig
+    cfg = TrainDraftConfig(answers_per_source="sharegpt=3, gpt=2", sampling_temperature=1.0)
+    assert [cfg.answers_for(s) for s in ("sharegpt_first.json", "codegpt.json", "gsm8k.jsonl")] == [3, 2, 1]
+    convs = [Conversation(["Name a colour."], source="sharegpt_first.json"),
+             Conversation(["Say hello in French."], source="gsm8k.jsonl")]
+    kw = dict(max_new_tokens=8, sampled_fraction=0.0, temperature=1.0, seed=5, progress=False)
+    mixed, stats = regenerate(engine, engine.tokenizer, convs, answers_per_conversation=[cfg.answers_for(c.source)
+                                                                                          for c in convs], **kw)
+    assert (stats["planned"], stats["answered"], stats["sampled"], len(mixed)) == (4, 4, 2, 4)
+    both, _ = regenerate(engine, engine.tokenizer, convs, answers_per_conversation=3, **kw)
+    colour = [s.token_ids for s in mixed if b"colour" in engine.tokenizer.decode(s.token_ids).encode()]
+    assert len(colour) == 3 and colour == [s.token_ids for s in both
+                                           if b"colour" in engine.tokenizer.decode(s.token_ids).encode()]
+    with pytest.raises(ValueError, match="answers_per_source"):
+        TrainDraftConfig(answers_per_source="sharegpt")
+    with pytest.raises(ValueError, match="answers_per_conversation"):
+        regenerate(engine, engine.tokenizer, convs, answers_per_conversation=[1], **kw)
+
+
 def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> None:
     from specserve.train.generate import _render, dataset_samples
 

@@ -337,11 +337,13 @@ def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["train-draft", "--out", str(tmp_path)])
     assert "--prompts" in capsys.readouterr().err
-    for bad in (["--answers-per-conversation", "0"],
-                ["--answers-per-conversation", "3", "--sampling-temperature", "0"]):
+    for bad, field in ((["--answers-per-conversation", "0"], "answers_per_conversation"),
+                       (["--answers-per-conversation", "3", "--sampling-temperature", "0"], "answers_per_conversation"),
+                       (["--answers-per-source", "sharegpt=two"], "answers_per_source"),
+                       (["--answers-per-source", "sharegpt=0"], "answers_per_source")):
         with pytest.raises(SystemExit) as exc:
             main(["train-draft", "--out", str(tmp_path), "--prompts", "x.jsonl", *bad])
-        assert exc.value.code == 2 and "answers_per_conversation" in capsys.readouterr().err
+        assert exc.value.code == 2 and field in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

@@ -82,6 +82,7 @@ LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # a decoder layer's projections 
 NUM_LAYERS = 32
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (40, 512)}
 DEFAULT_ROWS = (1, 8, 32)
+SWEEP_KERNELS = ("bf16_triton", "w8a16", "w8a16_e4m3", "w4a16")  # the kernels with a tile sweep (``--sweeps``)
 ROTATE_BYTES = 256 << 20  # weight copies per method: at least this many bytes, so L2 (50 MB) never holds one
 
 
@@ -287,7 +288,7 @@ def bench_shape(rep: Report, args, name: str, n: int, k: int, device: torch.devi
                        "copies": {kind: len(ctx[kind]) for kind in ("bf16", "fp8", "int4")}}
     rep.data.setdefault("shapes", {})[name] = shape_out
     for m in args.rows:
-        row: dict = {"m": m, "methods": {}, "sweep": {"bf16_triton": [], "w8a16": [], "w8a16_e4m3": [], "w4a16": []}}
+        row: dict = {"m": m, "methods": {}, "sweep": {kernel: [] for kernel in SWEEP_KERNELS}}
         shape_out["by_rows"][str(m)] = row
         bench_row(rep, args, ctx, row, m, device, dtype)
         rep.write()
@@ -458,10 +459,10 @@ def summarize(rep: Report, rows: list[int], shapes: list[str]) -> None:
             summary.setdefault(name, {})[m] = entry
     rep.data["summary"] = summary
     # per row bucket: the sweep configuration with the least summed time over the decoder-layer shapes
-    suggested: dict = {"bf16_triton": {}, "w8a16": {}, "w8a16_e4m3": {}, "w4a16": {}, "w8a16_max_rows": None,
-                       "bf16_triton_lm_head": {}, "bf16_gemv_max_rows": None}
+    suggested: dict = {kernel: {} for kernel in SWEEP_KERNELS} | {
+        "w8a16_max_rows": None, "bf16_triton_lm_head": {}, "bf16_gemv_max_rows": None}
     layer = [s for s in LAYER_SHAPES if s in shapes_data] or list(shapes_data)
-    for kernel in ("bf16_triton", "w8a16", "w8a16_e4m3", "w4a16"):
+    for kernel in SWEEP_KERNELS:
         for m in rows:
             totals: dict[str, float] = {}
             counts: dict[str, int] = {}
@@ -558,7 +559,7 @@ def print_summary(rep: Report) -> None:
             print(f"{name:8s} {m:>3s} " + " ".join(f"{c:>22s}" for c in cells))
     sug = rep.data.get("suggested", {})
     print("\nsuggested tile tables (layers/quant_tiles.py):")
-    for kernel in ("bf16_triton", "w8a16", "w4a16"):
+    for kernel in SWEEP_KERNELS:
         for m, e in sug.get(kernel, {}).items():
             print(f"  {kernel} rows<={m}: {e['config']}  # {e['layer_us']} us per layer "
                   f"(per-shape best {e['per_shape_best_us']})")
@@ -583,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launches", type=int, default=20, help="calls per CUDA graph (and max weight copies)")
     ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
     ap.add_argument("--no-sweep", action="store_true", help="time the tables' configurations only")
-    ap.add_argument("--sweeps", default="bf16_triton,w8a16,w8a16_e4m3,w4a16",
+    ap.add_argument("--sweeps", default=",".join(SWEEP_KERNELS),
                     help="the kernels whose tile sweeps run, comma-separated")
     ap.add_argument("--time-budget-s", type=float, default=150.0,
                     help="sweep configurations not yet started after this many seconds are skipped")
@@ -598,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = str(Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")) / "quant_gemm_gpu.json")
     args.rows = [int(r) for r in args.rows.split(",") if r]
     args.sweeps = set(args.sweeps.split(","))
-    unknown = args.sweeps - {"bf16_triton", "w8a16", "w8a16_e4m3", "w4a16"}
+    unknown = args.sweeps - set(SWEEP_KERNELS)
     if unknown:
         ap.error(f"--sweeps: unknown kernel(s) {', '.join(sorted(unknown))}")
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",") if s}

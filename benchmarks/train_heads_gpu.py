@@ -141,34 +141,82 @@ def train(args) -> None:
 
 
 def generate(args) -> None:
-    """Samples only, no training: the target answers the training prompts (``--max-turns`` user turns each,
-    ``--answers-per-conversation`` answers or ``--answers-per-source``'s, the first greedy for 75%), for at most
-    ``--gen-seconds``; the samples go to /tmp/work/<name>/ and $OUT/<name>/ (``data_train.npz`` /
-    ``data_held_out.npz``, for ``train --data``) with the generation stats."""
+    """Samples only, no training: the target answers the training prompts (``--sources``, default every
+    training source; ``--max-turns`` user turns each, ``--answers-per-conversation`` answers or
+    ``--answers-per-source``'s, the first greedy for 75%), for at most ``--gen-seconds``. ``--shards N``: N
+    processes share the GPU, each answering every N-th conversation (one process keeps the GPU idle between
+    its turns' batches). The samples go to /tmp/work/<name>/ (``data_train.npz`` / ``data_held_out.npz``, for
+    ``train --data``) and come back as $OUT/<name>-<j>/ parts of at most 15 MB (each such a directory), with
+    the generation stats in $OUT/<name>_stats.json.
+
+    ``--held-out-from DIR``: the conversations of that earlier run's held-out split are not answered, and this
+    run's held-out files are left empty, so that ``train --data DIR --extra-data <this run>`` trains on both
+    and still measures on DIR's held-out conversations alone (``--extra-data`` trains on held-out files too)."""
+    import subprocess
+
+    from specserve.train.generate import load_samples, save_samples
+
+    unknown = [s for s in args.sources if not any(s == t or s.startswith(t + "/") for t in TRAIN_SOURCES)]
+    if unknown:
+        raise SystemExit(f"--sources: {unknown} are not training sources (under {TRAIN_SOURCES})")
+    join_gguf()  # once, before any shard reads it
+    name = args.name or "gen"
+    if args.shard is not None:
+        return _generate_shard(args, f"{name}.shard{args.shard}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 4) // args.shards))}
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--shard", str(i)], env=env)
+             for i in range(args.shards)]
+    if any(proc.wait() for proc in procs):
+        raise SystemExit("a generate shard failed")
+    shards = [WORK / f"{name}.shard{i}" for i in range(args.shards)]
+    train = [s for d in shards for s in load_samples(d / "data_train.npz")]
+    held = [] if args.held_out_from else load_samples(shards[0] / "data_held_out.npz")
+    per_shard = [json.loads((d / "generate_stats.json").read_text()) for d in shards]
+    stats = {"command": " ".join(["python", *sys.argv]), "shards": per_shard, "train_samples": len(train),
+             "held_out_samples": len(held),
+             "generated_tokens": sum(st["train"]["generated_tokens"] for st in per_shard),
+             "seconds": max(st["train"]["seconds"] for st in per_shard)}
+    (WORK / name).mkdir(parents=True, exist_ok=True)
+    save_samples(train, WORK / name / "data_train.npz")
+    save_samples(held, WORK / name / "data_held_out.npz")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
+    tokens = sum(len(s.token_ids) for s in train)
+    parts = max(1, -(-tokens * 2 // (15 << 20)))  # ~1.4 compressed bytes a token: 2 leaves room
+    for j in range(parts):
+        d = OUT / f"{name}-{j}"
+        d.mkdir(parents=True, exist_ok=True)
+        save_samples(train[j::parts], d / "data_train.npz")
+        save_samples(held if j == 0 else [], d / "data_held_out.npz")
+    print(f"generated {len(train)} train / {len(held)} held-out samples, {stats['generated_tokens']} tokens "
+          f"({args.shards} shards), {parts} parts in $OUT", flush=True)
+
+
+def _generate_shard(args, name: str) -> None:
     from specserve.config import TrainDraftConfig
     from specserve.models.loader import load_model
     from specserve.train.data import expand_paths
-    from specserve.train.generate import save_samples
+    from specserve.train.generate import load_samples, save_samples
     from specserve.train.pipeline import generate_data
 
-    gguf = join_gguf()
-    data = STAGE / "data"
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     cfg = TrainDraftConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                            answers_per_conversation=args.answers_per_conversation,
                            answers_per_source=args.answers_per_source, max_generate_seconds=args.gen_seconds)
     max_len = 1024 + args.max_new_tokens
-    parts = load_model(str(gguf), "bfloat16", device, max_len)
-    train, held, stats = generate_data(parts, cfg, expand_paths([str(data / s) for s in TRAIN_SOURCES]), device,
-                                       args.per_file, max_len, args.max_num_seqs, 24.0)
-    name = args.name or "gen"
-    for root in (WORK, OUT):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        save_samples(train, root / name / "data_train.npz")
-        save_samples(held, root / name / "data_held_out.npz")
-        (root / name / "generate_stats.json").write_text(json.dumps(stats, indent=2))
-    print(f"generated {len(train)} train / {len(held)} held-out samples, "
-          f"{stats['train']['generated_tokens']} tokens in {stats['train']['seconds']:.0f} s", flush=True)
+    parts = load_model(str(STAGE / "model.gguf"), "bfloat16" if device.type == "cuda" else "float32", device,
+                       max_len)
+    earlier = load_samples(ROOT / args.held_out_from / "data_held_out.npz") if args.held_out_from else None
+    train, held, stats = generate_data(parts, cfg, expand_paths([str(STAGE / "data" / s) for s in args.sources]),
+                                       device, args.per_file, max_len, args.max_num_seqs, args.kv_gib / args.shards,
+                                       progress=args.shard == 0, shard=(args.shard, args.shards),
+                                       held_out_from=earlier)
+    (WORK / name).mkdir(parents=True, exist_ok=True)
+    save_samples(train, WORK / name / "data_train.npz")
+    save_samples(held, WORK / name / "data_held_out.npz")
+    (WORK / name / "generate_stats.json").write_text(json.dumps(stats, indent=2))
+    print(f"{name}: {len(train)} train / {len(held)} held-out samples, {stats['train']['generated_tokens']} "
+          f"tokens in {stats['train']['seconds']:.0f} s", flush=True)
 
 
 def pack(reports: dict) -> None:
@@ -397,6 +445,14 @@ def main() -> int:
     ap.add_argument("--max-turns", type=int, default=3, help="generate: user turns answered per conversation")
     ap.add_argument("--answers-per-conversation", type=int, default=1,
                     help="generate: answers per training conversation (the further ones sampled)")
+    ap.add_argument("--shards", type=int, default=1, help="generate: processes sharing the GPU")
+    ap.add_argument("--device", default="cuda", help="generate: where the target runs (cpu: a wiring check)")
+    ap.add_argument("--kv-gib", type=float, default=80.0, help="generate: KV cache, split among the shards")
+    ap.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # one shard's process
+    ap.add_argument("--sources", nargs="+", default=TRAIN_SOURCES,
+                    help="generate: prompt sources under the staged data (default: every training source)")
+    ap.add_argument("--held-out-from", default=None,
+                    help="generate: keep this earlier run's held-out split (a repo path holding data_held_out.npz)")
     ap.add_argument("--answers-per-source", default="",
                     help="generate: NAME=N,... answers for conversations of prompt files whose name holds NAME")
     ap.add_argument("--batch-tokens", type=int, default=16384)

@@ -30,7 +30,7 @@ class Sample:
     num_prompt: int  # tokens before the answer
 
 
-def _render(tokenizer, conv: Conversation, answers: list[str], turn: int) -> list[int]:
+def render_prompt(tokenizer, conv: Conversation, answers: list[str], turn: int) -> list[int]:
     messages = [{"role": "system", "content": conv.system}] if conv.system else []
     for i in range(turn + 1):
         messages.append({"role": "user", "content": conv.user_turns[i]})
@@ -81,7 +81,7 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
                 conv = conversations[i]
                 if turn >= len(conv.user_turns):
                     continue
-                ids = _render(tokenizer, conv, answers[i], turn)
+                ids = render_prompt(tokenizer, conv, answers[i], turn)
                 if len(ids) + 16 > max_len:
                     stats["skipped_long"] += 1
                     continue
@@ -117,7 +117,7 @@ def dataset_samples(tokenizer, conversations: list[Conversation], max_len: int) 
              "skipped_template": 0}
     for conv in conversations:
         for turn in range(len(conv.answers)):
-            prompt = _render(tokenizer, conv, conv.answers, turn)
+            prompt = render_prompt(tokenizer, conv, conv.answers, turn)
             if len(prompt) + 16 > max_len:
                 stats["skipped_long"] += 1
                 break

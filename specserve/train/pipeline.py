@@ -22,7 +22,7 @@ import torch
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, TrainDraftConfig
 from specserve.train.data import expand_paths, read_conversations, split_held_out
-from specserve.train.generate import dataset_samples, load_samples, regenerate, save_samples
+from specserve.train.generate import Sample, dataset_samples, load_samples, regenerate, render_prompt, save_samples
 from specserve.train.trainer import Trainer
 from specserve.train.vocab import coverage, draft_vocab, token_counts
 
@@ -43,21 +43,42 @@ def load_conversations(cfg: TrainDraftConfig, prompt_files: list[Path], per_file
 
 def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path], device: torch.device,
                   per_file_limit: int | None, max_model_len: int, max_num_seqs: int, kv_gib: float,
-                  progress: bool = True):
-    """(train samples, held-out samples, stats): held-out conversations are split off before generation."""
+                  progress: bool = True, shard: tuple[int, int] = (0, 1),
+                  held_out_from: list[Sample] | None = None):
+    """(train samples, held-out samples, stats): held-out conversations are split off before generation.
+
+    ``shard = (i, n)``: only training conversations ``i, i + n, i + 2n, ...`` are answered (n processes share
+    one GPU; shard 0 alone answers the held-out ones). ``held_out_from``: an earlier run's held-out samples are
+    the held-out split instead; every conversation whose first rendered prompt is one of theirs is dropped,
+    and the rest all train, so that data generated from other prompt files is measured on the same held-out
+    conversations as that run."""
     from specserve.engine.engine import LLMEngine
 
     train_convs, held_convs, per_file = load_conversations(cfg, prompt_files, per_file_limit)
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard: index {index} not in 0..{count - 1}")
     model, model_config, tokenizer = target_parts
+    dropped = 0
+    if held_out_from is not None:
+        seen = {tuple(s.token_ids[:s.num_prompt]) for s in held_out_from}
+        convs = (train_convs + held_convs)[index::count]
+        train_convs = [c for c in convs if tuple(render_prompt(tokenizer, c, [], 0)) not in seen]
+        dropped, held_convs = len(convs) - len(train_convs), []
+    else:
+        train_convs, held_convs = train_convs[index::count], held_convs if index == 0 else []
     engine = LLMEngine(EngineConfig(device=str(device), cache=CacheConfig(kv_cache_memory_gib=kv_gib),
                                     scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                               max_num_batched_tokens=max(8192, max_model_len),
                                                               max_model_len=max_model_len)),
                        model, model_config, tokenizer)
-    stats = {"files": per_file}
+    stats = {"files": per_file, "shard": list(shard), "dropped_as_held_out": dropped}
     budget = cfg.max_generate_seconds or None
-    held, stats["held_out"] = regenerate(engine, tokenizer, held_convs, cfg.max_new_tokens, 0.0, 0.0,
-                                         cfg.seed + 1, progress=progress)
+    if held_out_from is None:
+        held, stats["held_out"] = regenerate(engine, tokenizer, held_convs, cfg.max_new_tokens, 0.0, 0.0,
+                                             cfg.seed + 1, progress=progress)
+    else:
+        held, stats["held_out"] = held_out_from, {"reused_samples": len(held_out_from)}
     train, stats["train"] = regenerate(engine, tokenizer, train_convs, cfg.max_new_tokens, cfg.sampled_fraction,
                                        cfg.sampling_temperature, cfg.seed, max_in_flight=max_num_seqs * 4,
                                        max_seconds=budget, progress=progress,

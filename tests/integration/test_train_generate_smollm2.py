@@ -102,7 +102,7 @@ def test_answer_counts_per_conversation_follow_the_prompt_file(engine) -> None:
 
 
 def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> None:
-    from specserve.train.generate import _render, dataset_samples
+    from specserve.train.generate import dataset_samples, render_prompt
 
     tok = engine.tokenizer
     conv = Conversation(["What is 2 + 3?", "And times 4?"], system="Answer briefly.",
@@ -111,7 +111,7 @@ def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> Non
     assert stats["samples"] == len(samples) == 2 and stats["skipped_template"] == 0
     for turn, s in enumerate(samples):
         # the prompt is what regeneration renders (the file's earlier answers as history) ...
-        assert s.token_ids[:s.num_prompt] == _render(tok, conv, conv.answers, turn)
+        assert s.token_ids[:s.num_prompt] == render_prompt(tok, conv, conv.answers, turn)
         # ... and the answer is the file's own text, closed as the chat template closes a turn
         answer = tok.decode(s.token_ids[s.num_prompt:], skip_special_tokens=False)
         assert answer.startswith(conv.answers[turn] + "<|im_end|>")
@@ -119,3 +119,37 @@ def test_dataset_answers_follow_the_prompt_regeneration_would_use(engine) -> Non
     assert len(samples[1].token_ids) > max_len
     cut, _ = dataset_samples(tok, [conv], max_len)  # the long answer is cut at max_len, the short one kept
     assert [len(s.token_ids) for s in cut] == [len(samples[0].token_ids), max_len]
+
+
+def test_shards_answer_disjoint_parts_and_an_earlier_held_out_split_is_kept(engine, tmp_path) -> None:
+    """``generate_data`` with ``shard = (i, 2)``: the two shards' samples together are the one-process run's
+    (greedy, so identical), only shard 0 answers the held-out conversations. ``held_out_from``: the earlier
+    run's held-out samples come back as the held-out split, their conversations are not trained on, and every
+    other conversation is (also those the earlier run's split held out of another file set)."""
+    import json
+
+    from specserve.config import TrainDraftConfig
+    from specserve.train.pipeline import generate_data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "completion": "x"}) + "\n" for p in (
+        "Name a colour.", "Say hello in French.", "What is 2 + 3?", "Name a fruit.", "Count to three.",
+        "Name a planet.", "Spell cat.", "Name a month.", "Say yes.", "Name a tree.")))
+    cfg = TrainDraftConfig(max_new_tokens=4, sampled_fraction=0.0, held_out_fraction=0.2)
+    parts = (engine.runner.model, engine.model_config, engine.tokenizer)
+    run = lambda **kw: generate_data(parts, cfg, [prompts], torch.device("cpu"), None, 256, 8, 0.05,  # noqa: E731
+                                     progress=False, **kw)
+    train, held, _ = run()
+    assert (len(train), len(held)) == (8, 2)
+    ids = lambda samples: sorted(s.token_ids for s in samples)  # noqa: E731
+    (train0, held0, stats0), (train1, held1, _) = run(shard=(0, 2)), run(shard=(1, 2))
+    assert ids(train0 + train1) == ids(train) and ids(held0) == ids(held) and held1 == []
+    assert len(train0) == len(train1) == 4 and stats0["shard"] == [0, 2]
+    with pytest.raises(ValueError, match="shard"):
+        run(shard=(2, 2))
+    earlier = held[:1]  # one conversation held out by an earlier run
+    kept, kept_held, stats = run(held_out_from=earlier)
+    prompt = lambda s: tuple(s.token_ids[:s.num_prompt])  # noqa: E731
+    assert kept_held == earlier and stats["dropped_as_held_out"] == 1 and len(kept) == 9
+    assert prompt(earlier[0]) not in {prompt(s) for s in kept}
+    assert ids(kept) == ids(train + held[1:])

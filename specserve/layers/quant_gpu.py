@@ -58,7 +58,9 @@ def quantize_fp8_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [num_rows, num_cols] float8_e4m3fn, scale [num_rows, 1] float32)
     """One scale per row (per output channel of a weight, per token of an activation): ``x ~= x_q * scale``."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    # the divisor is a tensor on x's device: CUDA torch turns division by a Python number into a multiply by
+    # its rounded reciprocal (1 ulp off IEEE division at times), and the Triton quantizers divide exactly
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / xf.new_tensor(FP8_MAX)).clamp(min=_MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

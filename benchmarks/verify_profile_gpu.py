@@ -1,0 +1,82 @@
+"""Where a verify step's extra time goes (issue 6's verify bar; GPU machine, not CI): the target forward on the
+Llama-3.1-8B shape (bf16, dummy weights) at one batch, over 1 and over ``q`` query tokens per request, timed as
+``gpu_engine.py`` times it (graph replay) and profiled eagerly with torch.profiler, GPU kernel time summed per
+kernel name, per step. Asserts nothing; prints a table and writes JSON.
+
+    python benchmarks/verify_profile_gpu.py --batch 32 --query-lens 1,8 --out $OUT/verify_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
+from specserve.engine.model_runner import ModelRunner  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+
+
+@torch.inference_mode()
+def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
+                 steps: int) -> dict[str, float]:
+    """Seconds of GPU time per step by kernel name (eager forward + LM head, ``steps`` steps after a warm-up)."""
+    ids, positions, query_lens, seq_lens, tables = ge.forward_inputs(runner, batch, context, query_len)
+    for _ in range(2):
+        hidden, _ = runner.forward(ids, positions, query_lens, seq_lens, tables)
+        runner.model.compute_logits(hidden)
+    ge.sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            hidden, _ = runner.forward(ids, positions, query_lens, seq_lens, tables)
+            runner.model.compute_logits(hidden)
+        ge.sync(device)
+    per_name: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.device_time_total > 0 and ev.key and not ev.key.startswith("ProfilerStep"):
+            per_name[ev.key] += ev.device_time_total * 1e-6 / steps  # device_time_total: microseconds
+    return dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--query-lens", default="1,8")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "verify_profile.json"))
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    config = shape_config(args.shape)
+    model = ge.dummy_model(config, 2048, dtype, device)
+    runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib),
+                         device)
+    runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(args.batch,), capture_at_startup=False), 2048, args.batch)
+    out = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
+           "shape": args.shape, "batch": args.batch, "context": args.context, "by_query_len": {}}
+    for q in map(int, args.query_lens.split(",")):
+        replay = ge.time_forward(runner, device, args.batch, args.context, q, args.iters)
+        kernels = kernel_times(runner, device, args.batch, args.context, q, args.steps)
+        out["by_query_len"][str(q)] = {"graph_replay_s": replay, "kernel_s_total": sum(kernels.values()),
+                                       "kernels_s": kernels}
+        print(f"q={q}: graph replay {replay * 1e3:.2f} ms, eager kernels {sum(kernels.values()) * 1e3:.2f} ms")
+        for name, t in list(kernels.items())[:14]:
+            print(f"    {t * 1e6:9.1f} us  {name[:110]}")
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

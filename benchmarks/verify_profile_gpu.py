@@ -28,16 +28,18 @@ from specserve.models.shapes import shape_config  # noqa: E402
 
 @torch.inference_mode()
 def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
-                 steps: int) -> dict[str, float]:
-    """Seconds of GPU time per step by kernel name (eager forward + LM head, ``steps`` steps after a warm-up)."""
+                 steps: int, graphs: bool) -> dict[str, float]:
+    """Seconds of GPU time per step by kernel name (forward + LM head, ``steps`` steps after a warm-up; the
+    forward replays the runner's CUDA graph when ``graphs``, eager otherwise)."""
     ids, positions, query_lens, seq_lens, tables = ge.forward_inputs(runner, batch, context, query_len)
+    forward = runner.graphs.run if graphs else runner.forward
     for _ in range(2):
-        hidden, _ = runner.forward(ids, positions, query_lens, seq_lens, tables)
+        hidden, _ = forward(ids, positions, query_lens, seq_lens, tables)
         runner.model.compute_logits(hidden)
     ge.sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            hidden, _ = runner.forward(ids, positions, query_lens, seq_lens, tables)
+            hidden, _ = forward(ids, positions, query_lens, seq_lens, tables)
             runner.model.compute_logits(hidden)
         ge.sync(device)
     per_name: dict[str, float] = defaultdict(float)
@@ -68,12 +70,14 @@ def main() -> int:
            "shape": args.shape, "batch": args.batch, "context": args.context, "by_query_len": {}}
     for q in map(int, args.query_lens.split(",")):
         replay = ge.time_forward(runner, device, args.batch, args.context, q, args.iters)
-        kernels = kernel_times(runner, device, args.batch, args.context, q, args.steps)
-        out["by_query_len"][str(q)] = {"graph_replay_s": replay, "kernel_s_total": sum(kernels.values()),
-                                       "kernels_s": kernels}
-        print(f"q={q}: graph replay {replay * 1e3:.2f} ms, eager kernels {sum(kernels.values()) * 1e3:.2f} ms")
-        for name, t in list(kernels.items())[:14]:
-            print(f"    {t * 1e6:9.1f} us  {name[:110]}")
+        row = out["by_query_len"][str(q)] = {"graph_replay_s": replay}
+        print(f"q={q}: graph replay {replay * 1e3:.2f} ms")
+        for mode in ("eager", "graph"):
+            kernels = kernel_times(runner, device, args.batch, args.context, q, args.steps, mode == "graph")
+            row[mode] = {"kernel_s_total": sum(kernels.values()), "kernels_s": kernels}
+            print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms")
+            for name, t in list(kernels.items())[:12]:
+                print(f"    {t * 1e6:9.1f} us  {name[:100]}")
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -187,11 +187,13 @@ def test_fp8_linear_uses_the_kernel_for_small_m(kernels) -> None:
     assert layer.split_counters.dtype == torch.int32 and "split_counters" not in layer.state_dict()
     x = torch.randn(6, 64, generator=gen).to(DEVICE)
     ref = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias)
-    _close(layer(x[:4]), ref[:4])
+    # up to 8 rows may run the fp8 MMA: on a GPU its outputs are FP8_MMA_RTOL of the largest output apart
+    mma_atol = max(1e-4, FP8_MMA_RTOL * ref[:4].abs().amax().item())
+    torch.testing.assert_close(layer(x[:4]), ref[:4], rtol=1e-4, atol=mma_atol)
     saved = quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS
     try:
         quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS = 2
-        _close(layer(x[:4]), ref[:4])
+        torch.testing.assert_close(layer(x[:4]), ref[:4], rtol=1e-4, atol=mma_atol)
     finally:
         quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS = saved
     torch.testing.assert_close(layer(x), ref)

@@ -89,8 +89,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        # seeds of unseeded sampled requests' generators, drawn on the host in arrival order (reproducible from
+        self.rng = random.Random(config.seed)  # draws of sampled rows without a stream (none the engine makes)
+        # seeds of unseeded sampled requests' streams, drawn on the host in arrival order (reproducible from
         # config.seed; independent of batch composition, which asynchronous decode steps change)
         self._request_seeds = random.Random(config.seed)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
@@ -160,11 +160,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        gen = None
+        rng = None
         if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            rng = random.Random(params.seed)
         elif not params.greedy:  # its own stream, so its draws do not depend on who shares its steps
-            gen = torch.Generator(device=self.device).manual_seed(self._request_seeds.getrandbits(63))
+            rng = random.Random(self._request_seeds.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer
@@ -172,7 +172,7 @@ class LLMEngine:
         spec = self.default_spec if spec is None else spec
         if spec.enabled and spec.method not in self.proposers:
             raise ValueError(f"speculative.method: {spec.method!r} is not loaded on this server")
-        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, generator=gen, detokenizer=detok,
+        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, rng=rng, detokenizer=detok,
                       spec=spec)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -217,7 +217,7 @@ class LLMEngine:
         draft_probs = [None if s.request.spec_draft_probs is None else s.request.spec_draft_probs[:s.num_spec_tokens]
                        for s in sampling]
         emitted = verify(out.logits, out.logit_starts, drafts, draft_probs, [s.request.params for s in sampling],
-                         [s.request.generator for s in sampling], self.generator)
+                         [s.request.rng for s in sampling], self.rng)
         emitted_by_req = {s.request.request_id: toks for s, toks in zip(sampling, emitted)}
 
         # Keep the KV of the last token and the accepted drafts; roll the rejected drafts' slots back.
@@ -305,8 +305,8 @@ class LLMEngine:
         tables = self._prepare(sched)
         out = self.runner.execute(sched, tables, self.aux_layer_ids, input_ids_device)
         requests = [s.request for s in sched.scheduled]
-        token_ids = sample_on_device(out.logits, [r.params for r in requests], [r.generator for r in requests],
-                                     self.generator)  # [num_scheduled]
+        token_ids = sample_on_device(out.logits, [r.params for r in requests], [r.rng for r in requests],
+                                     self.rng)  # [num_scheduled]
         host, copied = token_ids, None
         if token_ids.device.type == "cuda":
             host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)

@@ -17,6 +17,7 @@ the step that sampled them is committed.
 from __future__ import annotations
 
 import enum
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -62,7 +63,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled by a step not yet committed (asynchronous decode steps)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None  # per-request seeded sampling
+    rng: random.Random | None = None  # the request's own stream of uniforms (sampled requests)
     # text state
     output_text: str = ""  # full detokenized text, truncated at a stop string
     num_text_emitted: int = 0  # chars of output_text already streamed

@@ -13,10 +13,12 @@ to the verifier, which keeps the result exactly the target's distribution whatev
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from specserve.engine.request import Request
-from specserve.layers.sampler import target_probs
+from specserve.layers.sampler import draw_tokens, target_probs
 from specserve.models.llama import LlamaForCausalLM
 from specserve.spec.draft_kv import DraftKV
 from specserve.spec.proposer import Draft, VerifiedChunk
@@ -37,7 +39,7 @@ class DraftModelProposer:
         self.kv = DraftKV(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks,
                           block_size, dtype, device)
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # draws of unseeded requests
+        self.rng = random.Random(seed)  # draws of requests without a stream of their own
 
     def observe(self, chunks: list[VerifiedChunk], aux_hidden) -> None:
         pass
@@ -88,8 +90,10 @@ class DraftModelProposer:
         greedy = logits.argmax(dim=-1).tolist()
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         dist = target_probs(logits[sampled], [requests[i].params for i in sampled]) if sampled else None
+        if sampled:
+            drawn = draw_tokens(dist, [(requests[i].rng or self.rng).random() for i in sampled]).tolist()
         for j, i in enumerate(sampled):
-            greedy[i] = int(torch.multinomial(dist[j], 1, generator=requests[i].generator or self.generator))
+            greedy[i] = drawn[j]
             probs[i].append(dist[j])
         for i, tok in enumerate(greedy):
             tokens[i].append(tok)

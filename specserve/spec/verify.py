@@ -24,9 +24,11 @@ Rows of ``target_logits`` are packed per request, ``1 + num_draft_tokens`` each:
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from specserve.layers.sampler import target_probs
+from specserve.layers.sampler import draw_tokens, target_probs
 from specserve.sampling import SamplingParams
 
 
@@ -36,8 +38,8 @@ def verify(
     draft_token_ids: list[list[int]],  # [num_requests][num_draft_tokens_i]
     draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_tokens_i, vocab_size] or None (one-hot)
     params: list[SamplingParams],  # [num_requests]
-    generators: list[torch.Generator | None],  # [num_requests]; None -> default_generator
-    default_generator: torch.Generator,
+    streams: list[random.Random | None],  # [num_requests] per-request streams; None -> default_stream
+    default_stream: random.Random,
 ) -> list[list[int]]:  # [num_requests] accepted draft tokens + one recovered or bonus token
     out: list[list[int]] = [[] for _ in params]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -60,8 +62,7 @@ def verify(
             num_draft = len(draft_token_ids[i])
             req_probs = probs[offset:offset + num_draft + 1]  # [num_draft + 1, vocab_size]
             offset += num_draft + 1
-            out[i] = _verify_random(req_probs, draft_token_ids[i], draft_probs[i],
-                                    generators[i] or default_generator)
+            out[i] = _verify_random(req_probs, draft_token_ids[i], draft_probs[i], streams[i] or default_stream)
     return out
 
 
@@ -69,11 +70,13 @@ def _verify_random(
     probs: torch.Tensor,  # [num_draft + 1, vocab_size] target distributions
     drafts: list[int],  # [num_draft]
     draft_probs: torch.Tensor | None,  # [num_draft, vocab_size] or None (one-hot)
-    generator: torch.Generator,
+    stream: random.Random,
 ) -> list[int]:
+    """The chain test for one request: ``num_draft`` uniforms of its stream for the accept tests, then one more
+    for the recovered or bonus token (``draw_tokens``; without drafts that is plain sampling's one draw)."""
     num_draft = len(drafts)
     if num_draft == 0:
-        return [int(torch.multinomial(probs[0], 1, generator=generator))]
+        return [int(draw_tokens(probs[:1], [stream.random()])[0])]
     device = probs.device
     draft_ids = torch.tensor(drafts, dtype=torch.int64, device=device)  # [num_draft]
     p_draft = probs[:-1].gather(1, draft_ids[:, None]).squeeze(1)  # [num_draft] p_j(x_j)
@@ -81,12 +84,14 @@ def _verify_random(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(1, draft_ids[:, None]).squeeze(1)  # [num_draft] q_j(x_j)
-    u = torch.rand(num_draft, generator=generator, device=device, dtype=probs.dtype)
+    p_host, q_host = torch.stack([p_draft, q_draft]).tolist()
+    u = [stream.random() for _ in range(num_draft)]
     # u < p / q, written without a division so that q(x) == 0 (impossible for a sampled draft) rejects.
-    accepted = (u * q_draft < p_draft).tolist()
-    n = accepted.index(False) if False in accepted else num_draft
+    n = 0
+    while n < num_draft and u[n] * q_host[n] < p_host[n]:
+        n += 1
     if n == num_draft:
-        return drafts + [int(torch.multinomial(probs[n], 1, generator=generator))]
+        return drafts + [int(draw_tokens(probs[n:n + 1], [stream.random()])[0])]
     if draft_probs is None:
         residual = probs[n].clone()
         residual[drafts[n]] = 0.0
@@ -96,4 +101,4 @@ def _verify_random(
     # only catches float round-off on a distribution that is (numerically) identical to the draft's.
     if float(residual.sum()) <= 0.0:
         residual = probs[n]
-    return drafts[:n] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return drafts[:n] + [int(draw_tokens(residual[None], [stream.random()])[0])]

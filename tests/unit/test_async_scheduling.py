@@ -9,6 +9,8 @@ between), arrivals and aborts mid-run; no KV block, pending token or in-flight s
 
 from __future__ import annotations
 
+import random
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,7 +81,7 @@ def test_greedy_lengths_and_stop_tokens_equal_the_synchronous_engine():
        num_blocks=st.sampled_from([12, 256]), budget=st.sampled_from([8, 64]), seed=st.integers(0, 1000))
 def test_random_batches_equal_the_synchronous_engine(lengths, max_tokens, temperature, top_p, num_blocks, budget,
                                                      seed):
-    """Seeded requests (their own generators) sample the same tokens; a small cache forces preemption and
+    """Seeded requests (their own streams) sample the same tokens; a small cache forces preemption and
     chunked prefill in the synchronous steps around the asynchronous ones."""
     ps = prompts(lengths, seed=seed)
     params = [SamplingParams(max_tokens=max_tokens[i], temperature=temperature, top_p=top_p, seed=seed + i)
@@ -128,21 +130,20 @@ def test_pending_tokens_read_as_placeholders():
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), greedy_mask=st.integers(0, 63))
 def test_sample_on_device_draws_what_the_verifier_draws_without_drafts(seed, rows, greedy_mask):
     """The asynchronous steps' sampler and the synchronous steps' (``verify`` with no drafts) draw the same tokens
-    from the same generators; ``sample`` is its host read-back."""
+    from the same streams; ``sample`` is its host read-back."""
     logits = torch.randn(rows, 50, generator=torch.Generator().manual_seed(seed)) * 3
     params = [SamplingParams(temperature=0.0 if greedy_mask >> i & 1 else 0.7, top_k=[0, 5][i % 2])
               for i in range(rows)]
 
-    def gens():  # per-request generators for two rows in three, the default one for the rest
-        return [torch.Generator().manual_seed(seed + i) if i % 3 else None for i in range(rows)], \
-            torch.Generator().manual_seed(seed)
+    def gens():  # per-request streams for two rows in three, the default one for the rest
+        return [random.Random(seed + i) if i % 3 else None for i in range(rows)], random.Random(seed)
     on_device = sample_on_device(logits, params, *gens())
     verified = verify(logits, list(range(rows)), [[] for _ in range(rows)], [None] * rows, params, *gens())
     assert on_device.tolist() == [toks[0] for toks in verified] == sample(logits, params, *gens())
 
 
 def test_unseeded_sampling_equals_the_synchronous_engine():
-    """Unseeded sampled requests get their own generators (seeded from the engine's seed in arrival order), so a
+    """Unseeded sampled requests get their own streams (seeded from the engine's seed in arrival order), so a
     row wasted on a request that stopped does not shift anyone else's draws."""
     ps = prompts([5, 9, 7])
     first = run(tiny_engine(), ps, [SamplingParams(max_tokens=16, temperature=1.0)] * 3, False)[0]

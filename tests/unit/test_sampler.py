@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.sampler import sample, target_probs
+from specserve.layers.sampler import draw_tokens, sample, target_probs
 from specserve.sampling import SamplingParams
 
 
@@ -44,9 +46,9 @@ def test_draws_follow_the_filtered_distribution() -> None:
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]])
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=4)
     probs = target_probs(logits, [params])[0]
-    gen = torch.Generator().manual_seed(0)
+    stream = random.Random(0)
     n = 8_000
-    counts = np.bincount([sample(logits, [params], [gen], gen)[0] for _ in range(n)], minlength=6)
+    counts = np.bincount([sample(logits, [params], [stream], stream)[0] for _ in range(n)], minlength=6)
     tv = 0.5 * np.abs(counts / n - probs.numpy()).sum()
     assert tv < 0.03, tv
     assert counts[4] == counts[5] == 0  # outside top-k 4
@@ -54,5 +56,35 @@ def test_draws_follow_the_filtered_distribution() -> None:
 
 def test_greedy_rows_take_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
-    gen = torch.Generator().manual_seed(0)
-    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None], gen) == [1, 0]
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None], random.Random(0)) == [1, 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5), vocab=st.integers(2, 40), zero_every=st.integers(2, 5))
+def test_draw_tokens_inverts_the_cumulative_distribution(seed, rows, vocab, zero_every) -> None:
+    """``draw_tokens`` picks the first token whose cumulative mass exceeds u x the row's total (rows need not
+    be normalised), and never a token of zero mass, also at u -> 1 and u = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, vocab, generator=gen) * 3
+    probs[:, ::zero_every] = 0.0  # zero-mass tokens, the first and (sometimes) the last included
+    probs[:, 1] += 0.5  # every row keeps some mass
+    rng = random.Random(seed)
+    for uniforms in ([rng.random() for _ in range(rows)], [0.0] * rows, [1.0 - 2**-53] * rows):
+        got = draw_tokens(probs, uniforms).tolist()
+        for row, (u, tok) in enumerate(zip(uniforms, got)):
+            p = probs[row].double()
+            cdf = p.cumsum(0)
+            assert p[tok] > 0
+            want = int((cdf > u * cdf[-1]).nonzero()[0]) if (cdf > u * cdf[-1]).any() else int(p.nonzero()[-1])
+            assert tok == want
+
+
+def test_draws_with_one_uniform_per_row_follow_each_rows_distribution() -> None:
+    """A batch of rows drawn at once: each row's draws follow its own (unnormalised) distribution."""
+    probs = torch.tensor([[0.0, 2.0, 1.0, 1.0], [3.0, 0.0, 0.0, 1.0]])
+    rng = random.Random(3)
+    n = 6_000
+    drawn = np.array([draw_tokens(probs, [rng.random(), rng.random()]).tolist() for _ in range(n)])  # [n, 2]
+    for row in range(2):
+        freq = np.bincount(drawn[:, row], minlength=4) / n
+        np.testing.assert_allclose(freq, (probs[row] / probs[row].sum()).numpy(), atol=0.025)

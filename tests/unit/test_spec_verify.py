@@ -3,6 +3,8 @@ chain rejection sampling at temperature 0.8 / top-p 0.9 against the target's own
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -24,8 +26,8 @@ def logits_with_argmax(argmaxes: list[int], vocab: int = 11) -> torch.Tensor:
 def run_greedy(rows: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
     logits = logits_with_argmax([t for r in rows for t in r])
     starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
-    gen = torch.Generator().manual_seed(0)
-    return verify(logits, starts, drafts, [None] * len(rows), [GREEDY] * len(rows), [None] * len(rows), gen)
+    return verify(logits, starts, drafts, [None] * len(rows), [GREEDY] * len(rows), [None] * len(rows),
+                  random.Random(0))
 
 
 def test_greedy_perfect_match_emits_all_drafts_and_the_bonus_token() -> None:
@@ -50,10 +52,10 @@ def test_ragged_batch_keeps_requests_apart() -> None:
 def test_random_row_with_one_hot_draft_never_emits_a_token_outside_top_p() -> None:
     vocab = 6
     logits = torch.tensor([[4.0, 3.9, -5.0, -5.0, -5.0, -5.0]] * 3)  # top-p keeps tokens 0 and 1 only
-    gen = torch.Generator().manual_seed(0)
+    stream = random.Random(0)
     seen = set()
     for _ in range(200):
-        out = verify(logits, [0], [[5, 0]], [None], [HOT], [None], gen)[0]
+        out = verify(logits, [0], [[5, 0]], [None], [HOT], [None], stream)[0]
         assert out[0] in (0, 1), "a draft outside the nucleus has target probability 0 and must be rejected"
         seen.update(out)
     assert seen <= {0, 1} and len(seen) == 2 and vocab == logits.shape[1]
@@ -63,8 +65,8 @@ def test_seeded_requests_are_reproducible() -> None:
     logits = torch.randn(4, 13, generator=torch.Generator().manual_seed(3))
     outs = []
     for _ in range(2):
-        gen = torch.Generator().manual_seed(42)
-        outs.append([verify(logits, [0], [[1, 2, 3]], [None], [HOT], [gen], torch.Generator())[0]
+        stream = random.Random(42)
+        outs.append([verify(logits, [0], [[1, 2, 3]], [None], [HOT], [stream], random.Random())[0]
                      for _ in range(20)])
     assert outs[0] == outs[1]
 
@@ -86,7 +88,8 @@ def tv_bound(num_samples: int) -> float:
 def sample_verified(target_logits: torch.Tensor, draft_probs: torch.Tensor, num_samples: int, seed: int):
     """Run the verifier ``num_samples`` times with drafts drawn from ``draft_probs``; returns the counts of the
     first emitted token, and of the second one among samples that emitted at least two."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the drafts
+    stream = random.Random(seed)  # the verifier's draws
     num_draft = draft_probs.shape[0]
     first = torch.zeros(VOCAB)
     second = torch.zeros(VOCAB)
@@ -95,7 +98,7 @@ def sample_verified(target_logits: torch.Tensor, draft_probs: torch.Tensor, num_
         drafts = torch.multinomial(draft_probs, batch, replacement=True, generator=gen).T.tolist()  # [batch, k]
         logits = target_logits.repeat(batch, 1)  # [batch * (k + 1), vocab]
         starts = [i * (num_draft + 1) for i in range(batch)]
-        outs = verify(logits, starts, drafts, [draft_probs] * batch, [HOT] * batch, [None] * batch, gen)
+        outs = verify(logits, starts, drafts, [draft_probs] * batch, [HOT] * batch, [None] * batch, stream)
         for out in outs:
             first[out[0]] += 1
             if len(out) > 1:

@@ -47,11 +47,15 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
     ``i`` is sampled (seed ``seed + i``) when ``i`` falls in the first ``sampled_fraction`` of a seeded
     permutation, greedy otherwise. ``answers_per_conversation`` (one count for all, or one per conversation):
     conversation ``i`` with c_i > 1 answers is answered again in passes ``r`` = 1 .. c_i - 1, sampled with seed
-    ``seed + r * n + i`` (n conversations). The answers go ``max_in_flight`` at a time, pass by pass, each pass
-    in conversation order (a group may hold the end of one pass and the start of the next), all their turns
-    before the next group; after ``max_seconds`` no new group starts, so a cut-short run has answered every
-    conversation of pass r - 1 before any of pass r (stats: ``answered`` of ``planned`` answers, ``sampled``
-    among them). Prompts that leave no room for an answer are skipped (counted in stats)."""
+    ``seed + r * n + i`` (n conversations).
+
+    The answers start pass by pass, each pass in conversation order, at most ``max_in_flight`` conversations at
+    a time; a conversation's next turn is submitted as soon as its previous answer is in, and a new
+    conversation starts whenever one ends, so the engine's batch stays full (no turn waits for the slowest
+    answer of a group). After ``max_seconds`` no new conversation starts and those started finish, so a
+    cut-short run has answered a prefix of that order: every conversation of pass r - 1 before any of pass r
+    (stats: ``answered`` of ``planned`` answers, ``sampled`` among them). Samples are in the order their
+    answers finished. Prompts that leave no room for an answer are skipped (counted in stats)."""
     rng = np.random.default_rng(seed)
     n = len(conversations)
     counts = answers_per_conversation if isinstance(answers_per_conversation, list) else [answers_per_conversation] * n
@@ -69,37 +73,55 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
              "planned": len(conversations), "answered": 0, "sampled": 0, "samples": 0, "skipped_long": 0,
              "generated_tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
-    for group_start in range(0, len(conversations), max_in_flight):
-        if max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
-        group = list(range(group_start, min(group_start + max_in_flight, len(conversations))))
-        answers: dict[int, list[str]] = {i: [] for i in group}
-        alive = group
-        for turn in range(max(len(conversations[i].user_turns) for i in group)):
-            jobs = []  # (conversation index, prompt ids)
-            for i in alive:
-                conv = conversations[i]
-                if turn >= len(conv.user_turns):
-                    continue
-                ids = render_prompt(tokenizer, conv, answers[i], turn)
-                if len(ids) + 16 > max_len:
-                    stats["skipped_long"] += 1
-                    continue
-                jobs.append((i, ids))
-            alive = [i for i, _ in jobs]
-            if not jobs:
+    answers: dict[int, list[str]] = {}  # conversations in flight -> their answers so far
+    active: list[tuple[int, list[int], object]] = []  # (answer j, prompt ids, engine request) being answered
+
+    def submit(j: int) -> None:
+        """Answer j's next turn, or end answer j (every turn answered, or the prompt too long)."""
+        turn = len(answers[j])
+        if turn < len(conversations[j].user_turns):
+            ids = render_prompt(tokenizer, conversations[j], answers[j], turn)
+            if len(ids) + 16 <= max_len:
+                params = SamplingParams(max_tokens=min(max_new_tokens, max_len - len(ids)),
+                                        temperature=temperature if j in sampled else 0.0,
+                                        seed=seed + keys[j] if j in sampled else None)
+                rid = f"regen-{j}-{turn}-{time.monotonic_ns()}"
+                engine.add_request(rid, ids, params)
+                active.append((j, ids, engine.requests[rid]))
+                return
+            stats["skipped_long"] += 1
+        del answers[j]
+        bar.update(1)
+
+    next_j = 0
+    with tqdm(total=len(conversations), desc="generate", unit="answer", file=sys.stderr, disable=not progress,
+              mininterval=5) as bar:
+        while True:
+            while (len(answers) < max_in_flight and next_j < len(conversations)
+                   and (max_seconds is None or time.perf_counter() - start <= max_seconds)):
+                answers[next_j] = []
+                stats["answered"] += 1
+                stats["sampled"] += next_j in sampled
+                next_j += 1
+                submit(next_j - 1)
+            if not active:
                 break
-            params = [SamplingParams(max_tokens=min(max_new_tokens, max_len - len(ids)),
-                                     temperature=temperature if i in sampled else 0.0,
-                                     seed=seed + keys[i] if i in sampled else None) for i, ids in jobs]
-            reqs = _run(engine, [ids for _, ids in jobs], params, progress,
-                        f"conversations {group_start + 1}-{group[-1] + 1}/{len(conversations)} turn {turn + 1}")
-            for (i, ids), req in zip(jobs, reqs):
+            engine.step()
+            still = []
+            for j, ids, req in active:
+                if not req.finished:
+                    still.append((j, ids, req))
+                    continue
                 samples.append(Sample(list(ids) + list(req.output_ids), len(ids)))
-                answers[i].append(req.output_text)
+                answers[j].append(req.output_text)
                 stats["generated_tokens"] += len(req.output_ids)
-        stats["answered"] += len(group)
-        stats["sampled"] += sum(i in sampled for i in group)
+            done = [j for j, _, req in active if req.finished]
+            active[:] = still
+            for j in done:
+                submit(j)
+            if progress:
+                bar.set_postfix_str(f"{stats['generated_tokens'] / max(time.perf_counter() - start, 1e-9):.0f} "
+                                    f"tok/s, {len(active)} in flight", refresh=False)
     stats["samples"] = len(samples)
     stats["seconds"] = time.perf_counter() - start
     return samples, stats
@@ -134,20 +156,6 @@ def dataset_samples(tokenizer, conversations: list[Conversation], max_len: int) 
             stats["answer_tokens"] += len(full) - len(prompt)
     stats["samples"] = len(samples)
     return samples, stats
-
-
-def _run(engine, prompts: list[list[int]], params: list[SamplingParams], progress: bool, label: str):
-    """``engine.generate`` with a progress bar: answers finished, tokens generated, tokens/s."""
-    t0 = time.perf_counter()
-    with tqdm(total=len(prompts), desc=f"generate {label}", unit="answer", file=sys.stderr, disable=not progress,
-              mininterval=5) as bar:
-        def report(reqs) -> None:
-            made = sum(len(r.output_ids) for r in reqs)
-            bar.set_postfix_str(f"{made} tokens, {made / max(time.perf_counter() - t0, 1e-9):.0f} tok/s",
-                                refresh=False)
-            bar.update(sum(r.finished for r in reqs) - bar.n)
-
-        return engine.generate(prompts, params, on_step=report if progress else None)
 
 
 def save_samples(samples: list[Sample], path: str | Path) -> None:

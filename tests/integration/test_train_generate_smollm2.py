@@ -51,6 +51,32 @@ def test_regenerated_answers_are_the_targets_own(engine) -> None:
     assert len(ids) == 16 and len(answers & set(ids.tolist())) == min(16, len(answers))
 
 
+def test_turns_flow_through_at_most_max_in_flight_conversations(engine) -> None:
+    """``max_in_flight`` = 2: at most two conversations hold a request in the engine at any step, a
+    conversation's next turn follows its previous answer, and the answers are those of a run with room for
+    all (greedy: the same tokens, in finishing order)."""
+    class Watched:  # the engine, counting the requests it holds at each step
+        def __init__(self, inner) -> None:
+            self.inner, self.peak = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def step(self):
+            self.peak = max(self.peak, len(self.inner.requests))
+            return self.inner.step()
+
+    kw = dict(max_new_tokens=6, sampled_fraction=0.0, temperature=0.0, progress=False)
+    wide, tight = Watched(engine), Watched(engine)
+    full, _ = regenerate(wide, engine.tokenizer, CONVERSATIONS, max_in_flight=8, **kw)
+    two, stats = regenerate(tight, engine.tokenizer, CONVERSATIONS, max_in_flight=2, **kw)
+    assert (wide.peak, tight.peak) == (3, 2) and stats["answered"] == stats["planned"] == 3
+    assert sorted(s.token_ids for s in two) == sorted(s.token_ids for s in full) and len(two) == 4
+    second_turn = [s for s in two if "times 4" in engine.tokenizer.decode(s.token_ids[:s.num_prompt])]
+    first_answer = next(s for s in two if s.token_ids[:s.num_prompt] == second_turn[0].token_ids[:s.num_prompt])
+    assert len(second_turn) == 1 and two.index(first_answer) < two.index(second_turn[0])
+
+
 def test_sampled_answers_are_reproducible(engine) -> None:
     runs = [regenerate(engine, engine.tokenizer, CONVERSATIONS[1:], max_new_tokens=12, sampled_fraction=1.0,
                        temperature=1.0, seed=7, progress=False)[0] for _ in range(2)]

@@ -156,18 +156,22 @@ def generate(args) -> None:
 
     from specserve.train.generate import load_samples, save_samples
 
-    unknown = [s for s in args.sources if not any(s == t or s.startswith(t + "/") for t in TRAIN_SOURCES)]
-    if unknown:
-        raise SystemExit(f"--sources: {unknown} are not training sources (under {TRAIN_SOURCES})")
-    join_gguf()  # once, before any shard reads it
     name = args.name or "gen"
     if args.shard is not None:
         return _generate_shard(args, f"{name}.shard{args.shard}")
+    unknown = [s for s in args.sources
+               if not any(os.path.normpath(s) == t or os.path.normpath(s).startswith(t + "/") for t in TRAIN_SOURCES)]
+    if unknown:
+        raise SystemExit(f"--sources: {unknown} are not training sources (under {TRAIN_SOURCES})")
+    if args.shards < 1:
+        raise SystemExit("--shards: must be >= 1")
+    join_gguf()  # once, before any shard reads it
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 4) // args.shards))}
     procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--shard", str(i)], env=env)
              for i in range(args.shards)]
-    if any(proc.wait() for proc in procs):
-        raise SystemExit("a generate shard failed")
+    codes = [proc.wait() for proc in procs]  # every shard ends before anything is read or raised
+    if any(codes):
+        raise SystemExit(f"generate shards failed: exit codes {codes}")
     shards = [WORK / f"{name}.shard{i}" for i in range(args.shards)]
     train = [s for d in shards for s in load_samples(d / "data_train.npz")]
     held = [] if args.held_out_from else load_samples(shards[0] / "data_held_out.npz")

@@ -60,7 +60,8 @@ def quantize_fp8_rows(
     xf = x.float()
     # the divisor is a tensor on x's device: CUDA torch turns division by a Python number into a multiply by
     # its rounded reciprocal (1 ulp off IEEE division at times), and the Triton quantizers divide exactly
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / xf.new_tensor(FP8_MAX)).clamp(min=_MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

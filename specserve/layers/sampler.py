@@ -68,11 +68,13 @@ def draw_tokens(
 ) -> torch.Tensor:  # [num_rows] int64, on probs' device
     """Inverse-CDF draws: row i's token is the first whose cumulative mass exceeds ``uniforms[i]`` times the
     row's total mass, so token t is drawn with probability ``probs[i, t] / probs[i].sum()``. The cumulative
-    sums are fp64 (no drift over a 128k vocabulary); a token of zero mass is never drawn (its cumulative mass
-    equals its predecessor's, and the result is clamped to the row's last token with mass).
+    sums are fp64 (no drift over a 128k vocabulary). A token of zero mass is never drawn: its cumulative mass
+    is set to the running maximum before it (a parallel scan's sum at a zero could differ from its
+    predecessor's by an ulp), and the result is clamped to the row's last token with mass.
 
     Example: probs [[0.5, 0, 0.25, 0.25]], u 0.6 -> cumulative [0.5 0.5 0.75 1.0], first > 0.6 -> token 2."""
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    cdf = cdf.masked_fill(probs <= 0, float("-inf")).cummax(dim=-1).values  # flat at zero mass, monotone
     u = host_to_device(uniforms, torch.float64, probs.device)  # [rows]
     picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)  # [rows]
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).float().argmax(dim=-1)  # [rows] last token with mass

@@ -56,6 +56,8 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
     cut-short run has answered a prefix of that order: every conversation of pass r - 1 before any of pass r
     (stats: ``answered`` of ``planned`` answers, ``sampled`` among them). Samples are in the order their
     answers finished. Prompts that leave no room for an answer are skipped (counted in stats)."""
+    if max_in_flight < 1:
+        raise ValueError("max_in_flight: must be >= 1")
     rng = np.random.default_rng(seed)
     n = len(conversations)
     counts = answers_per_conversation if isinstance(answers_per_conversation, list) else [answers_per_conversation] * n

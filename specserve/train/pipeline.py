@@ -48,7 +48,8 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     """(train samples, held-out samples, stats): held-out conversations are split off before generation.
 
     ``shard = (i, n)``: only training conversations ``i, i + n, i + 2n, ...`` are answered (n processes share
-    one GPU; shard 0 alone answers the held-out ones). ``held_out_from``: an earlier run's held-out samples are
+    one GPU; shard 0 alone answers the held-out ones), sampled with seeds of their own (``cfg.seed + i * 2^32``
+    onwards, so that no two shards share a sampling stream). ``held_out_from``: an earlier run's held-out samples are
     the held-out split instead; every conversation whose first rendered prompt is one of theirs is dropped,
     and the rest all train, so that data generated from other prompt files is measured on the same held-out
     conversations as that run."""
@@ -80,7 +81,8 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     else:
         held, stats["held_out"] = held_out_from, {"reused_samples": len(held_out_from)}
     train, stats["train"] = regenerate(engine, tokenizer, train_convs, cfg.max_new_tokens, cfg.sampled_fraction,
-                                       cfg.sampling_temperature, cfg.seed, max_in_flight=max_num_seqs * 4,
+                                       cfg.sampling_temperature, cfg.seed + (index << 32),
+                                       max_in_flight=max_num_seqs * 4,
                                        max_seconds=budget, progress=progress,
                                        answers_per_conversation=[cfg.answers_for(c.source) for c in train_convs])
     return train, held, stats

@@ -75,6 +75,8 @@ def test_turns_flow_through_at_most_max_in_flight_conversations(engine) -> None:
     second_turn = [s for s in two if "times 4" in engine.tokenizer.decode(s.token_ids[:s.num_prompt])]
     first_answer = next(s for s in two if s.token_ids[:s.num_prompt] == second_turn[0].token_ids[:s.num_prompt])
     assert len(second_turn) == 1 and two.index(first_answer) < two.index(second_turn[0])
+    with pytest.raises(ValueError, match="max_in_flight"):
+        regenerate(engine, engine.tokenizer, CONVERSATIONS, max_in_flight=0, **kw)
 
 
 def test_sampled_answers_are_reproducible(engine) -> None:

@@ -25,19 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def time_ms(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
+from benchmarks.attention_gpu import time_forward  # noqa: E402
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -47,7 +37,7 @@ def compare(methods: dict, flop: int, iters: int, label: str) -> dict:
     ref = next(iter(methods.values()))().float()
     row = {}
     for name, fn in methods.items():
-        ms = time_ms(fn, iters)
+        ms = time_forward(fn, 5, iters) / 1e3
         err = (fn().float() - ref).abs().max().item()
         row[name] = {"ms": ms, "tflop_s": flop / ms / 1e9, "max_abs_diff": err}
         print(f"{label} {name:18s} {ms * 1e3:8.1f} us  {row[name]['tflop_s']:6.0f} TFLOP/s  diff {err:.2e}")

@@ -28,7 +28,7 @@ import random
 
 import torch
 
-from specserve.layers.sampler import draw_tokens, target_probs
+from specserve.layers.sampler import draw_tokens, host_to_device, target_probs
 from specserve.sampling import SamplingParams
 
 
@@ -57,48 +57,71 @@ def verify(
                           for i in random_]).to(target_logits.device)
         row_params = [params[i] for i in random_ for _ in range(len(draft_token_ids[i]) + 1)]
         probs = target_probs(target_logits[rows], row_params)  # [num_random_rows, vocab_size]
-        offset = 0
-        for i in random_:
-            num_draft = len(draft_token_ids[i])
-            req_probs = probs[offset:offset + num_draft + 1]  # [num_draft + 1, vocab_size]
-            offset += num_draft + 1
-            out[i] = _verify_random(req_probs, draft_token_ids[i], draft_probs[i], streams[i] or default_stream)
+        emitted = _verify_sampled(probs, [draft_token_ids[i] for i in random_], [draft_probs[i] for i in random_],
+                                  [streams[i] or default_stream for i in random_])
+        for i, toks in zip(random_, emitted):
+            out[i] = toks
     return out
 
 
-def _verify_random(
-    probs: torch.Tensor,  # [num_draft + 1, vocab_size] target distributions
-    drafts: list[int],  # [num_draft]
-    draft_probs: torch.Tensor | None,  # [num_draft, vocab_size] or None (one-hot)
-    stream: random.Random,
-) -> list[int]:
-    """The chain test for one request: ``num_draft`` uniforms of its stream for the accept tests, then one more
-    for the recovered or bonus token (``draw_tokens``; without drafts that is plain sampling's one draw)."""
-    num_draft = len(drafts)
-    if num_draft == 0:
-        return [int(draw_tokens(probs[:1], [stream.random()])[0])]
+def _verify_sampled(
+    probs: torch.Tensor,  # [sum(num_draft_i + 1), vocab_size] target distributions, packed per request
+    drafts: list[list[int]],  # [num_requests][num_draft_i]
+    draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_i, vocab_size] or None (one-hot)
+    streams: list[random.Random],  # [num_requests]
+) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
+    """The chain test for every sampled request at once. Each request takes ``num_draft + 1`` uniforms of its
+    stream, in request order: its accept tests, then its recovered or bonus token (without drafts, plain
+    sampling's one draw). p_j(x_j) and q_j(x_j) of every draft come to the host in one read, and every
+    request's final distribution (the residual after a rejection, else the bonus row) is drawn in one
+    ``draw_tokens``: two device reads per step, whatever the number of requests.
+
+    Example: drafts [[a1, a2], [], [c1]] -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2] (starts 0, 3, 4); with a1
+    accepted and a2 rejected, c1 accepted: final rows [pa2 - (a2) | pb1 | pc2], tokens [a1, y] [y] [c1, y]."""
     device = probs.device
-    draft_ids = torch.tensor(drafts, dtype=torch.int64, device=device)  # [num_draft]
-    p_draft = probs[:-1].gather(1, draft_ids[:, None]).squeeze(1)  # [num_draft] p_j(x_j)
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.gather(1, draft_ids[:, None]).squeeze(1)  # [num_draft] q_j(x_j)
-    p_host, q_host = torch.stack([p_draft, q_draft]).tolist()
-    u = [stream.random() for _ in range(num_draft)]
-    # u < p / q, written without a division so that q(x) == 0 (impossible for a sampled draft) rejects.
-    n = 0
-    while n < num_draft and u[n] * q_host[n] < p_host[n]:
-        n += 1
-    if n == num_draft:
-        return drafts + [int(draw_tokens(probs[n:n + 1], [stream.random()])[0])]
-    if draft_probs is None:
-        residual = probs[n].clone()
-        residual[drafts[n]] = 0.0
-    else:
-        residual = (probs[n] - draft_probs[n]).clamp_min_(0.0)
+    starts = _offsets([len(d) + 1 for d in drafts])  # each request's first row in probs
+    uniforms = [[stream.random() for _ in range(len(d) + 1)] for stream, d in zip(streams, drafts)]
+    accepted = [0] * len(drafts)
+    with_drafts = [i for i, d in enumerate(drafts) if d]
+    if with_drafts:
+        rows = host_to_device([starts[i] + j for i in with_drafts for j in range(len(drafts[i]))], torch.int64,
+                              device)  # [num_drafts]
+        ids = host_to_device([t for i in with_drafts for t in drafts[i]], torch.int64, device)  # [num_drafts]
+        p_draft = probs.index_select(0, rows).gather(1, ids[:, None]).squeeze(1)  # [num_drafts] p_j(x_j)
+        q_draft = torch.cat([torch.ones(len(drafts[i]), device=device, dtype=probs.dtype) if draft_probs[i] is None
+                             else draft_probs[i].gather(1, ids[at:at + len(drafts[i]), None]).squeeze(1)
+                             for i, at in zip(with_drafts, _offsets([len(drafts[i]) for i in with_drafts]))])
+        p_host, q_host = torch.stack([p_draft, q_draft.to(p_draft.dtype)]).tolist()
+        at = 0
+        for i in with_drafts:
+            u, n = uniforms[i], 0
+            # u < p / q, written without a division so that q(x) == 0 (impossible for a sampled draft) rejects
+            while n < len(drafts[i]) and u[n] * q_host[at + n] < p_host[at + n]:
+                n += 1
+            accepted[i] = n
+            at += len(drafts[i])
+    final = probs.index_select(0, host_to_device([starts[i] + n for i, n in enumerate(accepted)], torch.int64,
+                                                 device))  # [num_requests, vocab_size] p_{n+1}
+    target_rows = final.clone()
+    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
+    one_hot = [i for i in rejected if draft_probs[i] is None]
+    if one_hot:  # a deterministic drafter: the residual is p with the rejected draft removed
+        final[host_to_device(one_hot, torch.int64, device),
+              host_to_device([drafts[i][accepted[i]] for i in one_hot], torch.int64, device)] = 0.0
+    for i in rejected:
+        if draft_probs[i] is not None:  # max(0, p - q)
+            final[i] = (final[i] - draft_probs[i][accepted[i]]).clamp_min(0.0)
     # A rejection implies p(x) < q(x), so some other token has p > q and the residual has mass; the guard
     # only catches float round-off on a distribution that is (numerically) identical to the draft's.
-    if float(residual.sum()) <= 0.0:
-        residual = probs[n]
-    return drafts[:n] + [int(draw_tokens(residual[None], [stream.random()])[0])]
+    final = torch.where(final.sum(dim=-1, keepdim=True) > 0, final, target_rows)
+    tokens = draw_tokens(final, [uniforms[i][len(d)] for i, d in enumerate(drafts)]).tolist()
+    return [d[:n] + [tok] for d, n, tok in zip(drafts, accepted, tokens)]
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    """[3, 1, 2] -> [0, 3, 4]: where each of consecutive runs of these lengths starts."""
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out

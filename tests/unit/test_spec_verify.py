@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.layers.sampler import target_probs
 from specserve.sampling import SamplingParams
@@ -136,3 +138,37 @@ def test_tv_bound_shrinks_with_samples() -> None:
     large, _ = sample_verified(target_logits, draft, 40_000, seed=3)
     assert total_variation(small, target[0]) < tv_bound(1_000)
     assert total_variation(large, target[0]) < tv_bound(40_000) < tv_bound(1_000) / 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kinds=st.lists(st.sampled_from(["none", "one_hot", "probs", "greedy"]),
+                                                      min_size=1, max_size=6),
+       lengths=st.lists(st.integers(1, 4), min_size=6, max_size=6))
+def test_a_batch_verifies_each_request_as_if_it_were_alone(seed, kinds, lengths) -> None:
+    """Requests verified together (sampled with and without drafts, one-hot and sampled drafts, greedy) emit
+    what each emits alone with the same stream: a request's draws depend on its own stream only."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 13
+    drafts, draft_probs, params = [], [], []
+    for kind, n in zip(kinds, lengths):
+        n = 0 if kind == "none" else n
+        dp = torch.softmax(torch.randn(n, vocab, generator=gen), dim=-1) if kind == "probs" else None
+        ids = (torch.multinomial(dp, 1, generator=gen).squeeze(1).tolist() if dp is not None
+               else torch.randint(0, vocab, (n,), generator=gen).tolist())
+        drafts.append(ids)
+        draft_probs.append(dp)
+        params.append(GREEDY if kind == "greedy" else HOT)
+    sizes = [len(d) + 1 for d in drafts]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    # target logits close to the drafts' so that some drafts are accepted and some rejected
+    logits = torch.randn(sum(sizes), vocab, generator=gen)
+    for i, d in enumerate(drafts):
+        for j, t in enumerate(d):
+            logits[starts[i] + j, t] += float(torch.rand((), generator=gen)) * 4
+    streams = [random.Random(seed + i) for i in range(len(drafts))]
+    together = verify(logits, starts, drafts, draft_probs, params, streams, random.Random(0))
+    alone = [verify(logits[starts[i]:starts[i] + sizes[i]], [0], [drafts[i]], [draft_probs[i]], [params[i]],
+                    [random.Random(seed + i)], random.Random(0))[0] for i in range(len(drafts))]
+    assert together == alone
+    for d, out in zip(drafts, together):
+        assert 1 <= len(out) <= len(d) + 1 and out[:-1] == d[:len(out) - 1]

@@ -44,9 +44,10 @@ def apply_top_k_top_p(
     remove = ranks[None, :] >= k[:, None]  # beyond top-k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     p = host_to_device(top_p, probs.dtype, device)  # [rows]
-    # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+    # Drop a token when the mass strictly before it already reaches top_p; the top token always stays. Rows
+    # without top-p (p >= 1) drop nothing: their fp32 running sum can round up to 1 before the tail.
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= p[:, None]
+    remove |= (mass_before >= p[:, None]) & (p[:, None] < 1.0)
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)

@@ -108,9 +108,11 @@ def _verify_sampled(
     if one_hot:  # a deterministic drafter: the residual is p with the rejected draft removed
         final[host_to_device(one_hot, torch.int64, device),
               host_to_device([drafts[i][accepted[i]] for i in one_hot], torch.int64, device)] = 0.0
-    for i in rejected:
-        if draft_probs[i] is not None:  # max(0, p - q)
-            final[i] = (final[i] - draft_probs[i][accepted[i]]).clamp_min(0.0)
+    sampled_drafts = [i for i in rejected if draft_probs[i] is not None]
+    if sampled_drafts:  # a drafter's own distribution q: the residual is max(0, p - q)
+        at = host_to_device(sampled_drafts, torch.int64, device)  # [num_rejected]
+        q_rows = torch.stack([draft_probs[i][accepted[i]] for i in sampled_drafts]).to(final.dtype)
+        final[at] = (final.index_select(0, at) - q_rows).clamp_min(0.0)
     # A rejection implies p(x) < q(x), so some other token has p > q and the residual has mass; the guard
     # only catches float round-off on a distribution that is (numerically) identical to the draft's.
     final = torch.where(final.sum(dim=-1, keepdim=True) > 0, final, target_rows)

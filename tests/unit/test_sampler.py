@@ -88,3 +88,15 @@ def test_draws_with_one_uniform_per_row_follow_each_rows_distribution() -> None:
     for row in range(2):
         freq = np.bincount(drawn[:, row], minlength=4) / n
         np.testing.assert_allclose(freq, (probs[row] / probs[row].sum()).numpy(), atol=0.025)
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_rows_with_it() -> None:
+    """A row's distribution does not depend on its batch: beside a top-p row, a row without top-p keeps the
+    tokens its float32 running sum passes 1.0 before (here every token after the dominant one)."""
+    logits = torch.zeros(2, 50)
+    logits[:, 0] = 30.0  # p0 rounds to 1.0 in float32; the others are ~1e-13 each
+    plain, nucleus = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)
+    alone = target_probs(logits[:1], [plain])
+    beside = target_probs(logits, [plain, nucleus])
+    assert torch.equal(beside[0], alone[0]) and bool((alone[0, 1:] > 0).all())
+    assert int((beside[1] > 0).sum()) == 1  # the top-p row keeps its top token only

@@ -92,9 +92,9 @@ class DraftModelProposer:
         dist = target_probs(logits[sampled], [requests[i].params for i in sampled]) if sampled else None
         if sampled:
             drawn = draw_tokens(dist, [(requests[i].rng or self.rng).random() for i in sampled]).tolist()
-        for j, i in enumerate(sampled):
-            greedy[i] = drawn[j]
-            probs[i].append(dist[j])
+            for j, i in enumerate(sampled):
+                greedy[i] = drawn[j]
+                probs[i].append(dist[j])
         for i, tok in enumerate(greedy):
             tokens[i].append(tok)
 

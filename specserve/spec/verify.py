@@ -25,6 +25,7 @@ Rows of ``target_logits`` are packed per request, ``1 + num_draft_tokens`` each:
 from __future__ import annotations
 
 import random
+from itertools import accumulate
 
 import torch
 
@@ -122,8 +123,4 @@ def _verify_sampled(
 
 def _offsets(lengths: list[int]) -> list[int]:
     """[3, 1, 2] -> [0, 3, 4]: where each of consecutive runs of these lengths starts."""
-    out, at = [], 0
-    for n in lengths:
-        out.append(at)
-        at += n
-    return out
+    return list(accumulate(lengths, initial=0))[:-1]

@@ -109,17 +109,12 @@ def regenerate(engine, tokenizer, conversations: list[Conversation], max_new_tok
             if not active:
                 break
             engine.step()
-            still = []
-            for j, ids, req in active:
-                if not req.finished:
-                    still.append((j, ids, req))
-                    continue
+            finished = [(j, ids, req) for j, ids, req in active if req.finished]
+            active[:] = [entry for entry in active if not entry[2].finished]
+            for j, ids, req in finished:
                 samples.append(Sample(list(ids) + list(req.output_ids), len(ids)))
                 answers[j].append(req.output_text)
                 stats["generated_tokens"] += len(req.output_ids)
-            done = [j for j, _, req in active if req.finished]
-            active[:] = still
-            for j in done:
                 submit(j)
             if progress:
                 bar.set_postfix_str(f"{stats['generated_tokens'] / max(time.perf_counter() - start, 1e-9):.0f} "

@@ -24,7 +24,7 @@ from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, TrainDr
 from specserve.train.data import expand_paths, read_conversations, split_held_out
 from specserve.train.generate import Sample, dataset_samples, load_samples, regenerate, render_prompt, save_samples
 from specserve.train.trainer import Trainer
-from specserve.train.vocab import coverage, draft_vocab, token_counts
+from specserve.train.vocab import coverage, draft_vocab, extend_vocab, token_counts
 
 
 def load_conversations(cfg: TrainDraftConfig, prompt_files: list[Path], per_file_limit: int | None):
@@ -145,9 +145,10 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
     report["num_train_samples"], report["num_held_out_samples"] = len(train), len(held)
     report["train_answer_tokens"] = sum(len(s.token_ids) - s.num_prompt for s in train)
     counts = token_counts(train, model_config.vocab_size)  # the target's own answers pick the draft vocabulary
-    if cfg.init_head:  # a warm start keeps the trained head's vocabulary (its lm_head rows are those tokens')
+    if cfg.init_head:  # a warm start keeps the trained head's tokens (its lm_head rows), widened to the size asked
         from specserve.train.trainer import init_head_draft_ids
-        draft_ids = init_head_draft_ids(cfg.init_head, model_config)
+        draft_ids = extend_vocab(init_head_draft_ids(cfg.init_head, model_config), counts,
+                                 min(cfg.draft_vocab_size, model_config.vocab_size))
         report["init_head"] = cfg.init_head
     else:
         draft_ids = draft_vocab(counts, min(cfg.draft_vocab_size, model_config.vocab_size))

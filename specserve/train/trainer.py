@@ -371,9 +371,12 @@ class Trainer:
 
     def _load_init_head(self, path: str, target_config: ModelConfig) -> None:
         """Start from a trained head (``TrainDraftConfig.init_head``): the same tensors, names and shapes as the head
-        this configuration builds, and the same draft vocabulary, or a ValueError naming ``init_head``."""
+        this configuration builds, and the same draft vocabulary or a wider one holding all its tokens (see
+        ``_widen_lm_head``), or a ValueError naming ``init_head``."""
         trained = init_head_state(path, target_config, self.device)
         mine = self.head.state_dict()
+        if trained["d2t"].shape != mine["d2t"].shape:
+            trained = self._widen_lm_head(path, trained, mine)
         wrong = sorted({k for k in mine if k not in trained or trained[k].shape != mine[k].shape} | (trained.keys()
                                                                                                   - mine.keys()))
         if wrong:
@@ -382,6 +385,26 @@ class Trainer:
         if not torch.equal(trained["d2t"].to(self.device), mine["d2t"]):
             raise ValueError(f"init_head: {path} has another draft vocabulary than this run's")
         self.head.load_state_dict(trained)
+
+    def _widen_lm_head(self, path: str, trained: dict[str, torch.Tensor],
+                       mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``trained`` with this run's wider draft vocabulary: each of its tokens keeps its trained lm_head row (at
+        the token's new draft index), every added token starts from the target's LM head row (as a fresh head
+        does), scaled by how much longer the trained rows are than the target's rows of the same tokens, so
+        that new and trained logits start on one scale.
+
+            trained vocab [2, 5], this run's [0, 2, 3, 5]: rows 1 and 3 <- trained rows 0 and 1; rows 0, 2 new
+        """
+        old_ids = trained["d2t"] + torch.arange(len(trained["d2t"]), device=self.device)  # ascending target ids
+        rows = self.t2d_index[old_ids]  # [old_vocab] their rows in this run's vocabulary (-1: missing)
+        if (rows < 0).any():
+            raise ValueError(f"init_head: {path} has another draft vocabulary than this run's "
+                             f"({int((rows < 0).sum())} of its tokens are not in it)")
+        lm = mine["lm_head.weight"].clone()  # [draft_vocab, hidden] the target's rows
+        scale = trained["lm_head.weight"].norm(dim=1).mean() / lm[rows].norm(dim=1).mean()
+        lm.mul_(scale)
+        lm[rows] = trained["lm_head.weight"]
+        return {**trained, "lm_head.weight": lm, "d2t": mine["d2t"]}
 
     # -- one batch
     def _loss(self, batch: Batch, train: bool, run_lengths=None) -> tuple[list[torch.Tensor], StepStats]:

@@ -33,6 +33,21 @@ def draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> torch.Tensor:  # [
     return torch.from_numpy(np.sort(order)).to(torch.int64)
 
 
+def extend_vocab(keep: torch.Tensor, counts: np.ndarray, draft_vocab_size: int) -> torch.Tensor:
+    """A trained head's vocabulary ``keep`` [n] (target ids) grown to ``draft_vocab_size`` with the most frequent
+    other ids of ``counts``, ascending (a warm start that widens the head keeps every token it has learnt).
+    No smaller than ``keep``: ``draft_vocab_size <= n`` gives ``keep`` sorted.
+
+        keep = [2, 5], counts = [9, 0, 1, 7, 0, 3], size 4  ->  [0, 2, 3, 5]   (0 and 3: the most frequent others)
+    """
+    if draft_vocab_size > len(counts):
+        raise ValueError(f"draft_vocab_size: {draft_vocab_size} exceeds the target vocabulary ({len(counts)})")
+    kept = np.zeros(len(counts), dtype=bool)
+    kept[keep.numpy()] = True
+    others = np.argsort(-np.where(kept, -1, counts), kind="stable")[:max(0, draft_vocab_size - int(kept.sum()))]
+    return torch.from_numpy(np.sort(np.concatenate([np.flatnonzero(kept), others]))).to(torch.int64)
+
+
 def d2t_t2d(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``draft_ids`` [draft_vocab] ascending -> (d2t [draft_vocab] int64 offsets, t2d [vocab_size] bool)."""
     d2t = draft_ids - torch.arange(len(draft_ids))

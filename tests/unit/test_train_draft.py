@@ -23,7 +23,7 @@ from specserve.train.data import conversation_from_record, read_conversations, s
 from specserve.train.generate import Sample, load_samples, save_samples
 from specserve.train.pipeline import export_head
 from specserve.train.trainer import Trainer, _lr_at, _shift, _soft_ce, collate, target_outputs
-from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, token_counts
+from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, extend_vocab, token_counts
 from tests.tiny import prompts, tiny_engine
 
 VOCAB = 97
@@ -112,6 +112,24 @@ def test_draft_vocabulary_keeps_the_most_generated_tokens() -> None:
     assert coverage(counts, ids) == pytest.approx(7 / 8)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         draft_vocab(counts, VOCAB + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=40), data=st.data())
+def test_extend_vocab_keeps_the_trained_tokens_and_adds_the_most_frequent(counts, data) -> None:
+    counts = np.asarray(counts, dtype=np.int64)
+    keep = sorted(data.draw(st.sets(st.integers(0, len(counts) - 1), min_size=1)))
+    size = data.draw(st.integers(1, len(counts)))
+    ids = extend_vocab(torch.tensor(keep), counts, size).tolist()
+    assert ids == sorted(set(ids)) and set(keep) <= set(ids)
+    assert len(ids) == max(size, len(keep))
+    added = set(ids) - set(keep)
+    left = set(range(len(counts))) - set(ids)
+    if added and left:  # nothing left out is generated more often than something added
+        assert min(counts[i] for i in added) >= max(counts[i] for i in left)
+    assert extend_vocab(torch.tensor([2, 5]), np.array([9, 0, 1, 7, 0, 3]), 4).tolist() == [0, 2, 3, 5]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        extend_vocab(torch.tensor(keep), counts, len(counts) + 1)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -478,6 +496,39 @@ def test_init_head_starts_from_the_exported_head(tmp_path, method: str) -> None:
     with pytest.raises(ValueError, match="init_head.*draft vocabulary"):
         Trainer(engine.runner.model, engine.model_config, dataclasses.replace(warm.cfg, draft_vocab_size=len(
             other_vocab)), other_vocab, torch.device("cpu"), tmp_path / "fourth", progress=False)
+
+
+def test_init_head_widens_the_draft_vocabulary(tmp_path) -> None:
+    """A warm start with a wider draft vocabulary (every trained token kept): each trained token keeps its lm_head
+    row, so its logits are unchanged; added tokens start from the target's rows on the trained rows' scale;
+    every other tensor is the trained head's. A vocabulary that drops a trained token is refused."""
+    trainer, engine = tiny_trainer("eagle3", tmp_path / "first", epochs=1.0)
+    trainer.fit(greedy_samples(engine, 6))
+    export_head(trainer.head, tmp_path / "head", "tiny", dtype=torch.float32)
+    old = torch.arange(0, VOCAB, 2)
+    counts = np.arange(VOCAB)[::-1].copy()  # low ids most frequent: adds 1, 3, 5, ...
+    wide = extend_vocab(old, counts, len(old) + 10)
+    assert wide.tolist() == sorted(old.tolist() + list(range(1, 21, 2)))
+    cfg = dataclasses.replace(trainer.cfg, draft_vocab_size=len(wide), init_head=str(tmp_path / "head"))
+    warm = Trainer(engine.runner.model, engine.model_config, cfg, wide, torch.device("cpu"), tmp_path / "w",
+                   progress=False)
+    rows = torch.searchsorted(wide, old)
+    got, want = warm.head_state(), trainer.head_state()
+    assert torch.equal(got["lm_head.weight"][rows], want["lm_head.weight"])
+    assert torch.equal(got["d2t"] + torch.arange(len(wide)), wide)  # d2t maps rows to the wide ids
+    for name in want.keys() - {"lm_head.weight", "d2t"}:
+        assert torch.equal(got[name], want[name]), name
+    added = torch.tensor([i for i in range(len(wide)) if i not in set(rows.tolist())])
+    target_rows = engine.runner.model.embed_tokens.weight if engine.runner.model.lm_head is None else \
+        engine.runner.model.lm_head.weight
+    scale = want["lm_head.weight"].norm(dim=1).mean() / target_rows[old].float().norm(dim=1).mean()
+    assert torch.allclose(got["lm_head.weight"][added], target_rows[wide[added]].float() * scale)
+    warm.fit(greedy_samples(engine, 4))  # and it trains
+    assert warm.step > 0
+    with pytest.raises(ValueError, match="init_head.*draft vocabulary"):
+        narrow = torch.cat([old[1:], torch.tensor([1, 3])]).sort().values  # same size + 1, token 0 dropped
+        Trainer(engine.runner.model, engine.model_config, dataclasses.replace(cfg, draft_vocab_size=len(narrow)),
+                narrow, torch.device("cpu"), tmp_path / "n", progress=False)
 
 
 def test_init_head_draft_ids_are_the_heads_vocabulary(tmp_path) -> None:

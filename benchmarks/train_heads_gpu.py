@@ -1,8 +1,10 @@
 """Train and measure the default model's draft heads on the GPU machine (not CI), in device calls that fit its
 limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
 
-    split   (here) cut the cached GGUF into .carry/g1..g4 (25 MB each: the committed head leaves ~27 MB a call)
-            and gather the prompt files and earlier samples into .carry/d
+    split   (here) cut the cached GGUF into .carry/gN parts (--part-mb) and gather the prompt files and
+            earlier samples into .carry/d. The committed head (64 MB) alone exceeds what a call carries, so
+            every device call runs with heads/ hidden (``benchmarks/device_tree.sh hide``; the tree is then
+            ~4 MB and 49 MB parts fit: two ``stage`` calls); a call that needs the head carries ``heads``
     stage   copy what the call carried (a GGUF part, prompt files) to /tmp/stage; one call per part, back to
             back (the machine is released after ~30 s idle, and /tmp with it)
     generate  samples only (the target's answers to every training prompt), into $OUT/<name> for ``train --data``
@@ -17,7 +19,7 @@ limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
 The P-EAGLE head's embedding is the target's plus one learned row (the mask token): only that row comes back
 (``mask_embedding.safetensors``) and ``merge`` rebuilds the full table from the local GGUF.
 
-    python benchmarks/train_heads_gpu.py split                 (here, once)
+    benchmarks/device_tree.sh hide; python benchmarks/train_heads_gpu.py split   (here, once)
     python benchmarks/train_heads_gpu.py stage|train|eval|pack   (device calls, carrying .carry/gK or .carry/d)
     python benchmarks/train_heads_gpu.py merge --heads DIR   (here, after train)
 """
@@ -47,11 +49,16 @@ TRAIN_SOURCES = ["gpteacher", "gsm8k/train.jsonl.gz", "sharegpt", "t0", "wmt_end
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
 
-def split(part_mb: float) -> None:
+# T0 templates trained on: datasets whose licences allow it (SOURCE.md); SAMSum, XSum, Gigaword and Multi-News not
+T0_TRAINED = ("adversarial_qa", "cnn_dailymail", "duorc", "quoref", "ropes")
+
+
+def split(part_mb: float, data_dir: Path) -> None:
     """Here, before the GPU calls: the cached GGUF into ``.carry/g1 .. gN/gguf.partNN`` of at most ``part_mb``
-    MB each, and the prompt files and earlier samples into ``.carry/d`` (data/, gen*/). With the committed head
-    the tracked tree is ~40 MB, so a call carries at most ~27 MB: one ``stage`` call per part (the warm machine
-    keeps /tmp/stage between calls), then ``train`` / ``eval`` carrying ``.carry/d``."""
+    MB each, and the prompt files gzipped into ``.carry/d/data`` in the layout ``TRAIN_SOURCES`` and
+    ``eval_prompts`` read (``data_dir``: the project's shared/data; T0 only the ``T0_TRAINED`` templates).
+    With heads/ hidden (``benchmarks/device_tree.sh hide``) the tree is ~4 MB: one ``stage`` call per part,
+    the last carrying ``.carry/d`` too (the warm machine keeps /tmp/stage between calls)."""
     from specserve.models.fetch import default_model_path
 
     raw = default_model_path().read_bytes()
@@ -62,12 +69,20 @@ def split(part_mb: float) -> None:
         d = ROOT / f".carry/g{i // part + 1}"
         d.mkdir(parents=True)
         (d / f"gguf.part{i // part:02d}").write_bytes(raw[i:i + part])
-    d = ROOT / ".carry/d"
-    d.mkdir(parents=True, exist_ok=True)
-    for src in [ROOT / ".carry/a/data", *sorted(ROOT.glob(".carry/b/gen*"))]:
-        if src.exists():
-            shutil.copytree(src, d / src.name, dirs_exist_ok=True)
-    print("parts", sorted(p.name for p in ROOT.glob(".carry/g*")), "data", sorted(p.name for p in d.iterdir()))
+    dst = ROOT / ".carry/d/data"
+    shutil.rmtree(dst, ignore_errors=True)
+    files = {f"gpteacher/{f.name}": f for f in (data_dir / "gpteacher").glob("*.json")}
+    files |= {f"sharegpt/{f.name}": f for f in (data_dir / "sharegpt").glob("*.json*")}
+    files |= {f"wmt_ende_opennmt/{f.name}": f for f in (data_dir / "wmt_ende_opennmt").glob("*.txt")}
+    files |= {f"t0/{f.name}": f for f in (data_dir / "t0_sum_qa").glob("*.jsonl") if f.name.startswith(T0_TRAINED)}
+    files |= {"gsm8k/train.jsonl": data_dir / "gsm8k/train.jsonl", "gsm8k/test.jsonl": data_dir / "gsm8k/test.jsonl",
+              "mt_bench/question.jsonl": data_dir / "mt_bench/question.jsonl"}  # the last two: evaluation only
+    for name, src in files.items():
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as f, gzip.open(dst / f"{name}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+    shutil.copy(data_dir / "humaneval/HumanEval.jsonl.gz", dst / "HumanEval.jsonl.gz")
+    print("parts", sorted(p.name for p in ROOT.glob(".carry/g*")), "data files", len(files) + 1)
 
 
 def stage() -> None:
@@ -415,9 +430,15 @@ def merge(heads: Path) -> None:
 
 
 def main() -> int:
+    # a 32k-row draft LM head's [rows, vocab] fp32 temporaries fragment the caching allocator (stop 16 ran out of
+    # memory with 9.7 GiB reserved but free); read when CUDA first allocates, so set before any work
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "merge", "pack"])
-    ap.add_argument("--part-mb", type=float, default=25.0, help="split: GGUF part size")
+    ap.add_argument("--part-mb", type=float, default=49.5, help="split: GGUF part size")
+    ap.add_argument("--data-dir", type=Path,
+                    default=Path(os.environ.get("SPECSERVE_DATA_DIR", ROOT.parent / "shared/data")),
+                    help="split: the shared prompt files (default: $SPECSERVE_DATA_DIR or ../shared/data)")
     ap.add_argument("--gen-seconds", type=float, default=210)
     ap.add_argument("--train-seconds", type=float, default=110)
     ap.add_argument("--peagle-train-seconds", type=float, default=0)
@@ -471,7 +492,7 @@ def main() -> int:
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3", help="speed: the head (repo path)")
     ap.add_argument("--c1-prompts", type=int, default=12, help="speed: prompts per set run one at a time")
     args = ap.parse_args()
-    {"split": lambda: split(args.part_mb), "stage": lambda: stage(),
+    {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),
      "eval": lambda: evaluate(args), "speed": lambda: speed(args), "merge": lambda: merge(args.heads),
      "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack})}[

@@ -246,8 +246,9 @@ class TrainDraftConfig:
     # same schedule (training longer than one time-limited job). 0: steps from epochs / the time budget.
     total_steps: int = 0
     seed: int = 0
-    # a trained head (speculators directory) to start from instead of random weights: its draft vocabulary and
-    # weights are kept; method, num_layers and head_intermediate_size must build the same head
+    # a trained head (speculators directory) to start from instead of random weights: its weights and draft
+    # vocabulary are kept (a larger draft_vocab_size adds the most generated other tokens, never drops one);
+    # method, num_layers and head_intermediate_size must build the same head
     init_head: str | None = None
 
     def __post_init__(self) -> None:

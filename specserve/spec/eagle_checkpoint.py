@@ -283,7 +283,8 @@ def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = N
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_spec_tokens or 3,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": []},
+            # the head's layer is built from the verifier's config, so they share one architecture
+            "verifier": {"name_or_path": verifier, "architectures": list(layer_cfg["architectures"])},
         },
     }
     if c.parallel:

@@ -28,7 +28,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "the training split only")
     p.add_argument("--init-head", default=None,
                    help="start from this trained head directory (speculators format: its weights and draft "
-                        "vocabulary; --method, --num-layers, --head-intermediate-size must match it)")
+                        "vocabulary, widened with the most generated other tokens when --draft-vocab-size is "
+                        "larger; --method, --num-layers, --head-intermediate-size must match it)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)

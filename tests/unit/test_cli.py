@@ -142,7 +142,7 @@ def test_make_serve_defaults_to_the_shipped_eagle3_head() -> None:
     assert config.speculative.method == "eagle3"
     assert (root / config.speculative.model).resolve() == DEFAULT_EAGLE3_HEAD
     head = load_eagle_head(DEFAULT_EAGLE3_HEAD, 30, 49152, 2048, torch.float32, torch.device("cpu"))
-    assert not head.config.parallel and head.config.draft_vocab_size == 8192
+    assert not head.config.parallel and head.config.draft_vocab_size == 32768
     assert head.config.aux_layer_ids == (2, 15, 27)
     d2t = head.d2t + torch.arange(len(head.d2t))  # draft index -> target id: distinct ids of the vocabulary
     assert len(set(d2t.tolist())) == len(d2t) and int(d2t.max()) < 49152

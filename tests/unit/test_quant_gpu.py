@@ -219,6 +219,8 @@ def test_quantize_model_replaces_projections_only() -> None:
 
 def test_tiny_model_forward_through_the_kernel(w4a16) -> None:
     """The whole quantized model with the Triton kernel (interpreted on CPU) == with the reference path."""
+    if DEVICE.type != "cpu":  # the tiny engine is built on CPU: the compiled kernel cannot read its tensors
+        pytest.skip("CPU-interpreter check; on a GPU the layer tests above and benchmarks/gpu_engine.py cover it")
     ids = prompts([9])[0]
     engine = tiny_engine(quantization="int4")
     ref = _logits(engine, ids)

@@ -148,7 +148,10 @@ def train(args) -> None:
     name = args.name or "peagle"
     peagle = TrainDraftConfig(method="peagle", num_layers=args.peagle_layers, num_spec_tokens=7,
                               max_train_seconds=args.peagle_train_seconds or args.train_seconds,
-                              anchors_per_seq=256, anchor_chunk=128, total_steps=args.peagle_total_steps, **common)
+                              anchors_per_seq=256, anchor_chunk=128, total_steps=args.peagle_total_steps,
+                              head_intermediate_size=args.head_intermediate,
+                              init_head=str(ROOT / args.peagle_init_head) if args.peagle_init_head else None,
+                              **common)
     reports[name] = train_draft(str(gguf), peagle, prompts if args.dataset_answers else [], WORK / name,
                                 "cuda", data_dir or str(WORK / "eagle3"), args.per_file, extra_data=extra)
     if not args.no_pack:
@@ -449,7 +452,8 @@ def main() -> int:
     ap.add_argument("--eagle3-only", action="store_true")
     ap.add_argument("--name", default=None, help="train into /tmp/work/NAME (default: the method's name), so that "
                     "several processes can train variants side by side on one GPU")
-    ap.add_argument("--head-intermediate", type=int, default=0, help="EAGLE-3 head MLP width (0: the target's)")
+    ap.add_argument("--head-intermediate", type=int, default=0,
+                    help="head MLP width, both methods (0: the target's)")
     ap.add_argument("--init-head", default=None, help="EAGLE-3: start from this trained head (a path in the repo, "
                     "e.g. heads/smollm2-135m-instruct-eagle3, which travels with the tree; --draft-vocab and "
                     "--head-intermediate must match it)")
@@ -457,6 +461,9 @@ def main() -> int:
     ap.add_argument("--pack", nargs="+", default=None, help="pack these /tmp/work names into $OUT and exit")
     ap.add_argument("--eagle3-dir", default="eagle3", help="eval: the EAGLE-3 head under /tmp/work")
     ap.add_argument("--peagle-dir", default="peagle", help="eval: the P-EAGLE head under /tmp/work")
+    ap.add_argument("--peagle-init-head", default=None,
+                    help="P-EAGLE: start from this head (repo path or absolute): a P-EAGLE head, or an EAGLE-3 head "
+                         "of the same --head-intermediate, whose first layer, fc and LM head it takes")
     ap.add_argument("--peagle-only", action="store_true", help="train P-EAGLE on the data an earlier call of this "
                     "warm machine generated (/tmp/work/eagle3), or --data")
     ap.add_argument("--data", nargs="+", default=None,

@@ -377,6 +377,8 @@ class Trainer:
         mine = self.head.state_dict()
         if trained["d2t"].shape != mine["d2t"].shape:
             trained = self._widen_lm_head(path, trained, mine)
+        if self.cfg.method == "peagle" and "mask_hidden" not in trained:
+            trained = self._eagle3_into_peagle(trained, mine)
         wrong = sorted({k for k in mine if k not in trained or trained[k].shape != mine[k].shape} | (trained.keys()
                                                                                                   - mine.keys()))
         if wrong:
@@ -405,6 +407,20 @@ class Trainer:
         lm.mul_(scale)
         lm[rows] = trained["lm_head.weight"]
         return {**trained, "lm_head.weight": lm, "d2t": mine["d2t"]}
+
+    def _eagle3_into_peagle(self, trained: dict[str, torch.Tensor],
+                            mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A P-EAGLE head started from a trained EAGLE-3 head of the same width: ``fc``, the first layer, the final
+        norm and the LM head are the EAGLE-3 head's; every later layer starts as the identity (its ``o_proj`` and
+        ``down_proj`` are zero, so the residual passes through unchanged) and the mask embedding row and feature
+        as a fresh P-EAGLE head's. Slot 1 then drafts exactly as the EAGLE-3 head's first step, and training
+        starts from there instead of from random layers."""
+        state = {**mine, **{k: v for k, v in trained.items() if k in mine}}
+        for name, value in mine.items():
+            if name.startswith("layers.") and not name.startswith("layers.0.") and name.endswith(
+                    ("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                state[name] = torch.zeros_like(value)
+        return state
 
     # -- one batch
     def _loss(self, batch: Batch, train: bool, run_lengths=None) -> tuple[list[torch.Tensor], StepStats]:

@@ -531,6 +531,36 @@ def test_init_head_widens_the_draft_vocabulary(tmp_path) -> None:
                 narrow, torch.device("cpu"), tmp_path / "n", progress=False)
 
 
+def test_peagle_starts_from_a_trained_eagle3_head(tmp_path) -> None:
+    """``init_head`` of a P-EAGLE run may be an EAGLE-3 head of the same width: slot 1 then drafts exactly as the
+    EAGLE-3 head's first step (same position-1 accuracy on the same samples), the later layers start as the
+    identity, and training goes on from there."""
+    eagle, engine = tiny_trainer("eagle3", tmp_path / "e", epochs=2.0)
+    samples = greedy_samples(engine, 6)
+    eagle.fit(samples)
+    export_head(eagle.head, tmp_path / "head", "tiny", dtype=torch.float32)
+    fresh, _ = tiny_trainer("peagle", tmp_path / "fresh", num_layers=3)
+    warm, _ = tiny_trainer("peagle", tmp_path / "p", num_layers=3, epochs=1.0, init_head=str(tmp_path / "head"))
+    state, trained = warm.head_state(), eagle.head_state()
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
+    assert not state["layers.1.self_attn.o_proj.weight"].any() and not state["layers.2.mlp.down_proj.weight"].any()
+    assert torch.equal(state["mask_hidden"], fresh.head_state()["mask_hidden"])
+    batch = collate(samples[:1], 64, torch.device("cpu"))
+    tgt = target_outputs(eagle.target, batch.tokens, eagle.head.config.aux_layer_ids, eagle.draft_ids,
+                         eagle.t2d_index)
+    with torch.no_grad():
+        for anchor in (0, 5, 17):  # slot 1 at this anchor: what each head scores for the next token
+            want, _ = _causal_reference(eagle.head.eval(), tgt.features[0], batch.tokens[0], anchor, [])
+            got, _ = _causal_reference(warm.head.eval(), tgt.features[0], batch.tokens[0], anchor, [])
+            other, _ = _causal_reference(fresh.head.eval(), tgt.features[0], batch.tokens[0], anchor, [])
+            torch.testing.assert_close(warm.head.lm_head(got), eagle.head.lm_head(want), rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(fresh.head.lm_head(other), eagle.head.lm_head(want), atol=1e-3)
+    warm.head.train()
+    warm.fit(samples)
+    assert warm.head_state()["layers.1.self_attn.o_proj.weight"].any()  # the identity layers learn
+
+
 def test_init_head_draft_ids_are_the_heads_vocabulary(tmp_path) -> None:
     from specserve.train.trainer import init_head_draft_ids
     trainer, engine = tiny_trainer("eagle3", tmp_path / "run")

@@ -322,6 +322,8 @@ def evaluate(args) -> None:
     from specserve.spec.params import SpecParams
 
     engine, ids = eval_engine(args, {"eagle3": WORK / args.eagle3_dir, "peagle": WORK / args.peagle_dir})
+    with gzip.open(STAGE / "data/mt_bench/question.jsonl.gz", "rt") as f:
+        categories = [json.loads(line)["category"] for line in f if line.strip()]  # eval_prompts' order
     proposers = engine.proposers
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0),
@@ -341,16 +343,22 @@ def evaluate(args) -> None:
         per = {}
         for name in ids:
             rs = [r for (n, _), r in zip(flat, reqs) if n == name]
-            drafts = sum(r.spec_counters.num_drafts for r in rs)
-            acc = sum(r.spec_counters.num_accepted_tokens for r in rs)
-            per[name] = {"mean_acceptance_length": 1 + acc / max(drafts, 1), "num_drafts": drafts,
-                         "accepted_tokens": acc, "output_tokens": sum(len(r.output_ids) for r in rs),
-                         "acceptance_rate": acc / max(drafts * k, 1)}
+            per[name] = _acceptance(rs, k)
+            if name == "mt_bench":  # where MT-Bench lags: writing, roleplay, ... (10 first turns each)
+                per[name]["by_category"] = {c: _acceptance([r for r, rc in zip(rs, categories) if rc == c], k)[
+                    "mean_acceptance_length"] for c in dict.fromkeys(categories)}
         results["results"].setdefault(method, {})[str(k)] = per
         print(f"{method} k={k}: " + ", ".join(f"{n} AL {v['mean_acceptance_length']:.2f}" for n, v in per.items())
               + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "acceptance.json").write_text(json.dumps(results, indent=2))
+
+
+def _acceptance(reqs, k: int) -> dict:
+    drafts = sum(r.spec_counters.num_drafts for r in reqs)
+    acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
+    return {"mean_acceptance_length": 1 + acc / max(drafts, 1), "num_drafts": drafts, "accepted_tokens": acc,
+            "output_tokens": sum(len(r.output_ids) for r in reqs), "acceptance_rate": acc / max(drafts * k, 1)}
 
 
 def speed(args) -> None:

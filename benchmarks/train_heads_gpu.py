@@ -20,7 +20,7 @@ The P-EAGLE head's embedding is the target's plus one learned row (the mask toke
 (``mask_embedding.safetensors``) and ``merge`` rebuilds the full table from the local GGUF.
 
     benchmarks/device_tree.sh hide; python benchmarks/train_heads_gpu.py split   (here, once)
-    python benchmarks/train_heads_gpu.py stage|train|eval|pack   (device calls, carrying .carry/gK or .carry/d)
+    python benchmarks/train_heads_gpu.py stage|train|eval|pack|send   (device calls, carrying .carry/gK or .carry/d)
     python benchmarks/train_heads_gpu.py merge --heads DIR   (here, after train)
 """
 
@@ -241,12 +241,16 @@ def _generate_shard(args, name: str) -> None:
           f"tokens in {stats['train']['seconds']:.0f} s", flush=True)
 
 
-def pack(reports: dict) -> None:
+def pack(reports: dict, parts: str | None = None) -> None:
     """The heads trained under /tmp/work/<name> (P-EAGLE without its copy of the target's embedding) + reports
-    -> $OUT/<name>.tar.NN, 15 MB parts (at most 64 MiB comes back from one call)."""
+    -> /tmp/work/bundle-<names>.tar -> $OUT/<names>.tar.NN, 15 MB parts. At most 64 MiB comes back from one call: a
+    bundle larger than that (a P-EAGLE head of 2-4 wide layers is 87-133 MB) comes back over several calls,
+    ``parts`` "A:B" writing parts A..B-1 now and ``send_parts`` the rest in the next calls (the warm machine
+    keeps /tmp/work)."""
     from safetensors.torch import load_file, save_file
     OUT.mkdir(parents=True, exist_ok=True)
-    bundle = WORK / "bundle"
+    stem = "-".join(reports)
+    bundle = WORK / f"bundle-{stem}"  # per stem: two training processes may pack side by side
     shutil.rmtree(bundle, ignore_errors=True)
     for method in reports:
         dst = bundle / method
@@ -266,19 +270,27 @@ def pack(reports: dict) -> None:
                       str(dst / "mask_embedding.safetensors"))
             save_file(state, str(dst / "model.safetensors"))
         (dst / "train_report.json").write_text(json.dumps(reports.get(method, {}), indent=2, default=str))
-    with tarfile.open(WORK / "bundle.tar", "w") as tar:
+    with tarfile.open(WORK / f"bundle-{stem}.tar", "w") as tar:
         tar.add(bundle, arcname="heads")
-    raw = (WORK / "bundle.tar").read_bytes()
-    part = 15 << 20
-    stem = "-".join(reports)
-    for i in range(0, len(raw), part):
-        (OUT / f"{stem}.tar.{i // part:02d}").write_bytes(raw[i:i + part])
+    send_parts(stem, parts)
     for method in reports:
         r = reports[method]
         summary = {k: r.get(k) for k in ("num_train_samples", "train_answer_tokens", "draft_vocab_coverage",
                                          "held_out", "seconds", "data")}
         (OUT / f"{method}_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print("packed", len(raw) / 1e6, "MB")
+
+
+def send_parts(stem: str, parts: str | None = None) -> None:
+    """Parts ``A:B`` (all when None) of /tmp/work/bundle-<stem>.tar -> $OUT/<stem>.tar.NN (15 MB each); here,
+    ``cat <stem>.tar.* > bundle.tar`` joins the parts of every call."""
+    raw = (WORK / f"bundle-{stem}.tar").read_bytes()
+    size = 15 << 20
+    count = -(-len(raw) // size)
+    first, last = (int(x) for x in parts.split(":")) if parts else (0, count)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for i in range(first, min(last, count)):
+        (OUT / f"{stem}.tar.{i:02d}").write_bytes(raw[i * size:(i + 1) * size])
+    print(f"bundle {len(raw) / 1e6:.1f} MB in {count} parts; sent {first}..{min(last, count) - 1}")
 
 
 def eval_prompts(data: Path, gsm8k_limit: int) -> dict[str, list[list[dict]]]:
@@ -445,7 +457,8 @@ def main() -> int:
     # memory with 9.7 GiB reserved but free); read when CUDA first allocates, so set before any work
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "merge", "pack"])
+    ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "merge", "pack",
+                                           "send"])
     ap.add_argument("--part-mb", type=float, default=49.5, help="split: GGUF part size")
     ap.add_argument("--data-dir", type=Path,
                     default=Path(os.environ.get("SPECSERVE_DATA_DIR", ROOT.parent / "shared/data")),
@@ -466,7 +479,8 @@ def main() -> int:
                     "e.g. heads/smollm2-135m-instruct-eagle3, which travels with the tree; --draft-vocab and "
                     "--head-intermediate must match it)")
     ap.add_argument("--no-pack", action="store_true", help="leave the heads on the machine (a later call packs)")
-    ap.add_argument("--pack", nargs="+", default=None, help="pack these /tmp/work names into $OUT and exit")
+    ap.add_argument("--pack", nargs="+", default=None, help="pack (send: the parts of) these /tmp/work names")
+    ap.add_argument("--pack-parts", default=None, help="pack / send: only 15 MB parts A..B-1 of the bundle (A:B)")
     ap.add_argument("--eagle3-dir", default="eagle3", help="eval: the EAGLE-3 head under /tmp/work")
     ap.add_argument("--peagle-dir", default="peagle", help="eval: the P-EAGLE head under /tmp/work")
     ap.add_argument("--peagle-init-head", default=None,
@@ -510,7 +524,9 @@ def main() -> int:
     {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),
      "eval": lambda: evaluate(args), "speed": lambda: speed(args), "merge": lambda: merge(args.heads),
-     "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack})}[
+     "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack},
+                          args.pack_parts),
+     "send": lambda: send_parts("-".join(args.pack), args.pack_parts)}[
         args.phase]()
     return 0
 

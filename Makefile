@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# The default: SmolLM2 with its trained EAGLE-3 head (heads/); `make serve SERVE_ARGS=` serves without speculation.
-SERVE_ARGS ?= --spec-method eagle3 --spec-model heads/smollm2-135m-instruct-eagle3 --num-spec-tokens 3
+# The default: SmolLM2 with its trained EAGLE-3 head (heads/), drafting only where it pays (--spec-adaptive);
+# `make serve SERVE_ARGS=` serves without speculation.
+SERVE_ARGS ?= --spec-method eagle3 --spec-model heads/smollm2-135m-instruct-eagle3 --num-spec-tokens 3 --spec-adaptive
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-fast lint bench-cpu clean

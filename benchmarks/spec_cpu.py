@@ -9,6 +9,8 @@ fp32 on CPU) at batch 1 and 8, greedy, for each method:
     eagle3    a random EAGLE-3 head (acceptance ~0: the pure cost of a head that drafts and is rejected)
     eagle3_trained  the EAGLE-3 head the repository ships (heads/, `make serve`'s drafter)
     peagle    a random P-EAGLE head (same, one forward per round)
+    <method>_adaptive  the same with adaptive speculation (``--spec-adaptive``: each step's draft cap chosen
+              from measured goodput per batch size, spec/policy.py), e.g. eagle3_trained_adaptive
 
 on two workloads: "verbatim" asks the model to copy a prose passage (MT-Bench's GPT-4 reference answers)
 exactly, the case prompt lookup is for (the reply is prefilled with the passage's first words), and
@@ -71,9 +73,10 @@ def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max
     from specserve.engine.engine import LLMEngine
     from specserve.sampling import SamplingParams
 
-    spec = SpecConfig(method=method.removesuffix("_trained"), model=METHODS[method], num_spec_tokens=k,
-                      ngram_min=ngram[0],
-                      ngram_max=ngram[1]) if method != "none" else SpecConfig()
+    base = method.removesuffix("_adaptive")
+    spec = SpecConfig(method=base.removesuffix("_trained"), model=METHODS[base], num_spec_tokens=k,
+                      ngram_min=ngram[0], ngram_max=ngram[1],
+                      adaptive=method.endswith("_adaptive")) if method != "none" else SpecConfig()
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=1.0), speculative=spec,
                        cpu_activation_quant=cpu_activation_quant,
                        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=2048))
@@ -90,7 +93,8 @@ def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max
     drafts = sum(r.spec_counters.num_drafts for r in reqs)
     drafted = sum(r.spec_counters.num_draft_tokens for r in reqs)
     accepted = sum(r.spec_counters.num_accepted_tokens for r in reqs)
-    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+    policy = engine.spec_policy.snapshot() if engine.spec_policy is not None else None  # goodput per arm
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds, "policy": policy,
             "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots),
             "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
@@ -131,7 +135,7 @@ def main() -> int:
               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_spec_tokens": args.num_spec_tokens,
               "ngram_min_max": [args.ngram_min, args.ngram_max],
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
-    print(f"{'workload':>9} {'batch':>5} {'method':>14} | {'tok/s':>7} | {'vs none':>7} | {'TPOT ms':>7} | "
+    print(f"{'workload':>9} {'batch':>5} {'method':>24} | {'tok/s':>7} | {'vs none':>7} | {'TPOT ms':>7} | "
           f"{'vs none':>7} | {'AL':>5} | {'accept':>6} | same")
     for workload in args.workloads.split(","):
         texts = sources[workload](data_dir)[:args.num_prompts]
@@ -155,7 +159,7 @@ def main() -> int:
                     acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
                     ratio = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
                     tpot = f"{r['tpot_speedup_vs_none']:.2f}x" if r["tpot_speedup_vs_none"] else "-"
-                    print(f"{workload:>9} {batch:>5} {method:>14} | {r['output_tok_s']:>7.1f} | {ratio:>7} | "
+                    print(f"{workload:>9} {batch:>5} {method:>24} | {r['output_tok_s']:>7.1f} | {ratio:>7} | "
                           f"{r['mean_tpot_ms']:>7.1f} | {tpot:>7} | {al:>5} | {acc:>6} | "
                           f"{r['output_equals_none']}", flush=True)
             for method, rs in runs.items():  # the repeat with the median speedup, and every repeat's ratios

@@ -81,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'dummy:<seed>' for a randomly initialised drafter")
     g.add_argument("--num-spec-tokens", type=int, default=SpecConfig.num_spec_tokens, metavar="K",
                    help=f"tokens drafted per step and request, 1..{MAX_NUM_SPEC_TOKENS}")
+    g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=SpecConfig.adaptive,
+                   help="cap the drafts per request each step at 0, 1, K/2 or K, whichever has given the most "
+                        "tokens per second at the current batch size (measured while serving; lossless)")
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
                    help="shortest suffix n-gram the n-gram lookup matches")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
@@ -106,7 +109,8 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     """The ``SpecConfig`` of the flags; a bad value raises ValueError naming ``speculative.<field>``."""
     try:
         return SpecConfig(method=args.spec_method, model=args.spec_model, num_spec_tokens=args.num_spec_tokens,
-                          ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                          ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                          adaptive=getattr(args, "spec_adaptive", SpecConfig.adaptive))
     except ValueError as exc:
         raise ValueError(f"speculative.{exc}") from None
 

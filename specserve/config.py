@@ -153,6 +153,10 @@ class SpecConfig:
     # still costs a wider verify step (benchmarks/results/spec_cpu.json: min 3 / max 5 had the best AL and tok/s).
     ngram_min: int = 3
     ngram_max: int = 5  # longest suffix n-gram tried first
+    # Adaptive speculation (spec/policy.py): each step, cap every request's drafts at 0, 1, num_spec_tokens // 2
+    # or not at all, whichever has given the most committed tokens per second at this batch size (measured,
+    # with periodic probes). Lossless either way; seeded sampled outputs then depend on timings.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}")

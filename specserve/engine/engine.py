@@ -45,6 +45,7 @@ from specserve.engine.stats import RequestStats, StepStats
 from specserve.layers.sampler import sample_on_device
 from specserve.sampling import SamplingParams
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
+from specserve.spec.policy import SpecPolicy
 from specserve.spec.proposer import Proposer, VerifiedChunk
 from specserve.spec.verify import verify
 
@@ -68,6 +69,10 @@ class InFlightStep:
     host_token_ids: torch.Tensor
     copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA, where the copy is synchronous)
     num_prompt_tokens: int  # prompt tokens this step computed (a last prompt chunk of one token), for metrics
+
+
+# At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since.
+LAZY_DRAFT_STEPS = 16
 
 
 class LLMEngine:
@@ -102,6 +107,13 @@ class LLMEngine:
         spec = config.speculative
         self.default_spec = SpecParams(spec.method, spec.num_spec_tokens) if spec.method != "none" else SPEC_OFF
         self.default_num_spec_tokens = spec.num_spec_tokens
+        # Adaptive speculation (spec/policy.py): a cap on the drafts per request, chosen each step from measured
+        # goodput per batch size; ``_spec_cap`` is the cap the drafts now waiting for verification were made under.
+        self.spec_policy = SpecPolicy(caps=(0, 1, max(1, spec.num_spec_tokens // 2))) if spec.adaptive else None
+        self._spec_cap: int | None = None
+        self._spec_decided = False  # whether the last step's drafting asked the policy (someone could draft)
+        self._lazy_draft_steps = 0  # steps in a row whose drafter work was left for later (cap 0)
+        self._draft_seconds = 0.0  # how long the last step's drafting took
         # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
         startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
         self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
@@ -202,6 +214,8 @@ class LLMEngine:
             if self._next_decode_is_certain(previous):
                 self._in_flight = self._try_launch_decode(self.scheduler.schedule(), previous.token_ids)
             return self._commit_decode(previous)
+        started = time.perf_counter()
+        cap, decided, drafting = self._spec_cap, self._spec_decided, self._draft_seconds
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
@@ -242,9 +256,22 @@ class LLMEngine:
         for s, o in zip(sampling, outputs):
             if s.num_spec_tokens:  # tokens a verified draft let this request commit (after stop conditions)
                 emitted_per_step.setdefault(s.request.spec.method, []).append(len(o.new_token_ids))
+        verified = time.perf_counter()
         self._draft(chunks, out.aux_hidden)
-        self._record_step(sched, sum(len(o.new_token_ids) for o in outputs), step_spec, emitted_per_step)
+        self._draft_seconds = time.perf_counter() - verified
+        num_emitted = sum(len(o.new_token_ids) for o in outputs)
+        if self.spec_policy is not None and decided and self._is_speculative_decode(sched):
+            # this step's work on the drafts it verified, plus the drafting that made them (the last step's)
+            self.spec_policy.record(len(sched.scheduled), cap, verified - started + drafting, num_emitted)
+        self._record_step(sched, num_emitted, step_spec, emitted_per_step)
         return outputs
+
+    @staticmethod
+    def _is_speculative_decode(sched: SchedulerOutput) -> bool:
+        """Every scheduled request decoding (its last token plus its drafts, no prompt chunk) and at least one
+        of them speculating: the steps whose goodput the adaptive policy compares."""
+        return any(s.request.spec.enabled for s in sched.scheduled) and all(
+            s.samples and s.num_new_tokens == 1 + s.num_spec_tokens for s in sched.scheduled)
 
     def _prepare(self, sched: SchedulerOutput) -> list[list[int]]:
         """Timestamps, pending copy-on-write block copies; returns the scheduled requests' block tables."""
@@ -335,7 +362,9 @@ class LLMEngine:
         return outputs
 
     def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
-        """Show each proposer what its requests verified this step, then let it draft for those now decoding."""
+        """Show each proposer what its requests verified this step, then let it draft for those now decoding
+        (no more drafts each than the adaptive policy's cap, when it runs)."""
+        wanted = []  # (proposer, requests that may draft, their draft counts)
         for method, proposer in self.proposers.items():
             mine = [c for c in chunks if c.request.spec.method == method and not c.request.finished]
             if not mine:
@@ -343,12 +372,23 @@ class LLMEngine:
             aux = torch.cat([aux_hidden[i] for i in proposer.aux_layer_ids], dim=-1) if proposer.aux_layer_ids \
                 else None
             proposer.observe(mine, aux)
-            requests, counts = [], []
-            for c in mine:
-                num_spec = self._num_spec_tokens(c.request)
-                if num_spec > 0:
-                    requests.append(c.request)
-                    counts.append(num_spec)
+            requests = [c.request for c in mine if self._num_spec_tokens(c.request) > 0]
+            wanted.append((proposer, requests, [self._num_spec_tokens(r) for r in requests]))
+        self._spec_decided = False
+        if self.spec_policy is not None and any(requests for _, requests, _ in wanted):
+            self._spec_cap, self._spec_decided = self.spec_policy.choose(self.num_running), True
+            if self._spec_cap == 0 and self._lazy_draft_steps < LAZY_DRAFT_STEPS:
+                # Nobody drafts: the drafters catch up on these tokens at a later step, in one pass over
+                # several steps' tokens (a head's layer costs about as much for 16 rows as for 1), bounded so
+                # that the queued target features stay few.
+                self._lazy_draft_steps += 1
+                return
+        self._lazy_draft_steps = 0
+        for proposer, requests, counts in wanted:
+            if self._spec_decided and self._spec_cap is not None:
+                counts = [min(n, self._spec_cap) for n in counts]
+                requests = [r for r, n in zip(requests, counts) if n > 0]
+                counts = [n for n in counts if n > 0]
             for req, num_spec, draft in zip(requests, counts, proposer.propose(requests, counts)):
                 req.spec_token_ids = list(draft.token_ids[:num_spec])
                 req.spec_draft_probs = None if draft.probs is None else draft.probs[:len(req.spec_token_ids)]
@@ -475,6 +515,7 @@ class LLMEngine:
             num_preemptions=len(sched.preempted),
             spec=spec,
             spec_emitted_per_step=emitted_per_step,
+            spec_draft_cap=None if self.spec_policy is None else -1 if self._spec_cap is None else self._spec_cap,
         ))
 
     # ---- offline convenience -------------------------------------------------------------------

@@ -17,6 +17,7 @@ class StepStats:
     num_preemptions: int  # requests preempted (recompute) this step
     spec: dict[str, SpecCounters] = field(default_factory=dict)  # method -> drafts verified this step
     spec_emitted_per_step: dict[str, list[int]] = field(default_factory=dict)  # method -> tokens each request emitted
+    spec_draft_cap: int | None = None  # adaptive speculation's cap for the next step (-1: none); None: policy off
 
 
 @dataclass

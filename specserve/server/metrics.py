@@ -96,6 +96,10 @@ class ServingMetrics:
         self._kv_cache_usage = Gauge(
             "specserve_kv_cache_usage_perc", "KV-cache usage as a fraction of blocks in use, 0..1.",
             labels, registry=reg).labels(model_name)
+        self._spec_draft_cap = Gauge(
+            "specserve_spec_draft_cap", "Adaptive speculation: the cap on drafts per request chosen for the "
+            "next step (-1: no cap, each request drafts its num_spec_tokens). Absent when the policy is off.",
+            labels, registry=reg)
 
         self._prompt_tokens = Counter(
             "specserve_prompt_tokens", "Number of prefill tokens computed.",
@@ -167,6 +171,8 @@ class ServingMetrics:
         self._num_running.set(stats.num_running)
         self._num_waiting.set(stats.num_waiting)
         self._kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.spec_draft_cap is not None:
+            self._spec_draft_cap.labels(self.model_name).set(stats.spec_draft_cap)
         if stats.num_prompt_tokens:
             self._prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

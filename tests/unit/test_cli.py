@@ -139,7 +139,7 @@ def test_make_serve_defaults_to_the_shipped_eagle3_head() -> None:
     args = _serve_parser().parse_args(shlex.split(serve_args))
     config = engine_config_from_args(args)
     assert config.model == "default"
-    assert config.speculative.method == "eagle3"
+    assert config.speculative.method == "eagle3" and config.speculative.adaptive
     assert (root / config.speculative.model).resolve() == DEFAULT_EAGLE3_HEAD
     head = load_eagle_head(DEFAULT_EAGLE3_HEAD, 30, 49152, 2048, torch.float32, torch.device("cpu"))
     assert not head.config.parallel and head.config.draft_vocab_size == 32768

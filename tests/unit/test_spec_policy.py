@@ -1,0 +1,197 @@
+"""Adaptive speculation (spec/policy.py): the bandit's choices against synthetic goodput tables, and the engine
+with the policy on: lossless output, drafts capped as chosen, decode steps measured."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve.config import SpecConfig
+from specserve.sampling import SamplingParams
+from specserve.spec.policy import NO_CAP, SpecPolicy
+from tests.tiny import prompts, tiny_engine
+from tests.unit.test_spec_engine import GREEDY, LENGTHS, METHODS, assert_clean
+
+
+def run(policy: SpecPolicy, goodput, batch_size: int, decisions: int) -> list[int | None]:
+    """``decisions`` choose/record rounds in an environment whose goodput is ``goodput(batch_size, cap)``."""
+    chosen = []
+    for _ in range(decisions):
+        cap = policy.choose(batch_size)
+        policy.record(batch_size, cap, seconds=1.0, tokens=goodput(batch_size, cap))
+        chosen.append(cap)
+    return chosen
+
+
+def test_a_new_bucket_tries_every_arm_largest_first() -> None:
+    policy = SpecPolicy(caps=(0, 1, 2))
+    assert run(policy, lambda b, c: 100, 8, 4) == [None, 2, 1, 0]
+    assert policy.choose(9) in (None, 0, 1, 2) and policy.choose(16) is None  # 8-15 is warm; 16-31 is new
+    for bad in (dict(caps=(-1,)), dict(probe_every=1), dict(probe_every=64, max_probe_every=32), dict(margin=1.0)):
+        with pytest.raises(ValueError, match="spec policy"):
+            SpecPolicy(**bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.integers(1, 10_000), min_size=4, max_size=4, unique=True),
+       batch=st.integers(1, 512), probe_every=st.integers(2, 40))
+def test_the_best_arm_wins_and_worse_arms_are_probed_ever_less(rates, batch, probe_every) -> None:
+    """After each arm is tried once, every decision takes the best arm except probes of the others; an arm is
+    never probed sooner than ``probe_every`` decisions after its last try, and the gaps between probes of an
+    arm clearly worse than the best double each time (up to max_probe_every)."""
+    policy = SpecPolicy(caps=(0, 1, 3), probe_every=probe_every, max_probe_every=8 * probe_every)
+    table = dict(zip(policy.arms, rates))
+    best = max(table, key=table.get)
+    chosen = [NO_CAP if c is None else c for c in run(policy, lambda b, c: table[NO_CAP if c is None else c],
+                                                      batch, 600)]
+    assert chosen[:4] == list(policy.arms)
+    for arm in policy.arms:
+        if arm == best:
+            continue
+        tries = [i for i, c in enumerate(chosen) if c == arm]
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert all(g >= probe_every for g in gaps)
+        if table[arm] < 0.9 * table[best]:  # clearly worse: 2x, 4x, 8x, 8x, ... probe_every, each gap give or
+            # take a decision or two when another arm's probe fell due at the same time
+            assert all(b >= a - 3 for a, b in zip(gaps, gaps[1:]))
+            assert len(gaps) < 3 or gaps[-1] >= 4 * probe_every
+    probes = sum(c != best for c in chosen[4:])
+    assert probes <= 3 * (600 // probe_every + 1)
+
+
+def test_buckets_learn_apart_and_follow_a_change() -> None:
+    """Small batches gain from speculation, large ones lose: each bucket settles on its own arm; when the
+    large batches' costs change, a probe sees it and the bucket moves to the new best arm."""
+    policy = SpecPolicy(caps=(0, 1, 2), probe_every=8)
+    small = {None: 300, 2: 250, 1: 200, 0: 100}
+    large = {None: 500, 2: 700, 1: 900, 0: 1000}
+    assert run(policy, lambda b, c: small[c], 1, 60)[4:].count(None) >= 45
+    assert run(policy, lambda b, c: large[c], 64, 60)[4:].count(0) >= 40  # arm 1 (within 10%) is probed often
+    changed = {**large, None: 2000}
+    assert run(policy, lambda b, c: changed[c], 64, 300)[-20:].count(None) >= 18
+    snap = policy.snapshot()
+    assert set(snap) == {"1-1", "64-127"} and snap["64-127"]["none"] > snap["64-127"]["0"]
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+class FixedCap:
+    """A policy stub: always ``cap``; remembers what the engine recorded."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap, self.records, self.batches = cap, [], []
+
+    def choose(self, batch_size: int) -> int | None:
+        self.batches.append(batch_size)
+        return self.cap
+
+    def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int) -> None:
+        self.records.append((batch_size, cap, seconds, tokens))
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[tuple[int, ...], list[int]]:
+    ps = prompts(LENGTHS)
+    return {tuple(p): r.output_ids for p, r in zip(ps, tiny_engine().generate(ps, GREEDY))}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_adaptive_speculation_is_lossless(plain, method: str) -> None:
+    engine = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=4, adaptive=True))
+    ps = prompts(LENGTHS)
+    assert [r.output_ids for r in engine.generate(ps, GREEDY)] == [plain[tuple(p)] for p in ps]
+    assert_clean(engine)
+    measured = [s.goodput for arms in engine.spec_policy.stats.values() for s in arms.values() if s.goodput]
+    assert measured and all(g > 0 for g in measured)  # decode steps were timed and credited to their arm
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2, None])
+def test_the_cap_bounds_every_requests_drafts(plain, cap) -> None:
+    """A draft model identical to the target is always accepted, so each verify step shows the cap exactly:
+    min(cap, 4) drafts per verify step, none at cap 0; the output is plain greedy's either way."""
+    engine = tiny_engine(spec=SpecConfig(method="draft", model="self", num_spec_tokens=4, adaptive=True))
+    engine.spec_policy = stub = FixedCap(cap)
+    ps = prompts(LENGTHS)
+    reqs = engine.generate(ps, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == [plain[tuple(p)] for p in ps]
+    k = 4 if cap is None else cap
+    for r in reqs:
+        c = r.spec_counters
+        assert c.num_drafts == 0 if k == 0 else (c.num_drafts > 0 and c.num_draft_tokens <= k * c.num_drafts)
+        if k:  # all but a request's last verify steps (cut by max_tokens) carry exactly k drafts
+            assert c.acceptance_histogram[k] >= c.num_drafts - 2
+    assert stub.records and all(rec[1] == cap and rec[2] > 0 and rec[3] >= rec[0] for rec in stub.records)
+    assert max(stub.batches) == len(ps)
+    assert_clean(engine)
+
+
+def test_the_cap_is_published_as_a_gauge() -> None:
+    """Each step's StepStats carries the cap chosen for the next step (-1: no cap), and /metrics shows it as
+    ``specserve_spec_draft_cap``; with the policy off the field is None and the series is absent."""
+    from prometheus_client import CollectorRegistry
+
+    from specserve.server.metrics import ServingMetrics
+
+    class Sink:
+        def __init__(self) -> None:
+            self.steps = []
+
+        def record_step(self, stats) -> None:
+            self.steps.append(stats)
+
+        def record_request(self, stats) -> None:
+            pass
+
+    for cap, want in ((None, -1), (2, 2), (0, 0)):
+        engine = tiny_engine(spec=SpecConfig(method="ngram", num_spec_tokens=3, adaptive=True))
+        engine.spec_policy, engine.metrics = FixedCap(cap), Sink()
+        engine.generate(prompts(LENGTHS[:2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        caps = {s.spec_draft_cap for s in engine.metrics.steps}
+        assert want in caps and caps <= {want, -1}  # -1 until the first drafting step asks the policy
+    off = tiny_engine(spec=SpecConfig(method="ngram", num_spec_tokens=3))
+    off.metrics = Sink()
+    off.generate(prompts(LENGTHS[:2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert {s.spec_draft_cap for s in off.metrics.steps} == {None}
+    registry = CollectorRegistry()
+    metrics = ServingMetrics("m", registry=registry)
+    metrics.record_step(off.metrics.steps[-1])
+    assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) is None
+    metrics.record_step(engine.metrics.steps[-1])
+    assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) == 0
+
+
+class Alternating(FixedCap):
+    """Cap 0 for ``span`` decisions (the drafters skip up to LAZY_DRAFT_STEPS steps, then catch up), then no cap
+    for ``span``, and so on."""
+
+    def __init__(self, span: int) -> None:
+        super().__init__(None)
+        self.span = span
+
+    def choose(self, batch_size: int) -> int | None:
+        super().choose(batch_size)
+        return 0 if (len(self.batches) - 1) // self.span % 2 == 0 else None
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_drafters_catch_up_after_steps_without_drafts(plain, method: str) -> None:
+    """At cap 0 a drafter's work is left for later (up to LAZY_DRAFT_STEPS steps); when drafting resumes it
+    catches up on every token verified meanwhile: the drafts are those of a drafter that never paused (a draft
+    model identical to the target is still always accepted), the output is plain greedy's, nothing leaks."""
+    from specserve.engine.engine import LAZY_DRAFT_STEPS
+
+    engine = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3, adaptive=True))
+    engine.spec_policy = Alternating(LAZY_DRAFT_STEPS + 4)
+    ps = prompts(LENGTHS)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    reqs = engine.generate(ps, params)
+    assert [r.output_ids[:24] for r in reqs] == [plain[tuple(p)] for p in ps]
+    reference = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in reference.generate(ps, params)]
+    if method != "ngram":
+        assert all(r.spec_counters.num_drafts > 0 for r in reqs)
+    if method == "draft":
+        assert all(r.spec_counters.acceptance_rate == 1.0 for r in reqs)
+    assert_clean(engine)

@@ -3,9 +3,10 @@ request by one prefill chunk, or by 1 to ``1 + num_spec_tokens`` tokens when it 
 
 Asynchronous decode steps (``SchedulerConfig.async_scheduling``, on by default on CUDA). A decode step waits for
 its tokens only to commit them, and the next step needs them only as input ids, which can stay on the device.
-So when a step is a plain decode (every request decoding one token, none speculating) and the next one is
-certain to be the same requests decoding again (no waiting request the scheduler could admit, no request at
-its length limit, KV blocks for all), ``step()`` schedules and launches the next step first and commits the
+So when a step is a plain decode (every request decoding one token, none speculating, or all held at draft cap 0
+by the adaptive policy, spec/policy.py, whose drafters then catch up in a later synchronous step) and the next
+one is certain to be the same requests decoding again (no waiting request the scheduler could admit, no request
+at its length limit, KV blocks for all), ``step()`` schedules and launches the next step first and commits the
 previous one while the GPU runs it: the host's schedule / prepare / commit time hides behind the device's
 work. Each call then returns the outputs of the step before the one it launched (the first call of a run of
 decode steps returns none):
@@ -114,6 +115,7 @@ class LLMEngine:
         self._spec_decided = False  # whether the last step's drafting asked the policy (someone could draft)
         self._lazy_draft_steps = 0  # steps in a row whose drafter work was left for later (cap 0)
         self._draft_seconds = 0.0  # how long the last step's drafting took
+        self._async_commit_time: float | None = None  # when the last overlapped step committed (same run)
         # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
         startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
         self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
@@ -215,6 +217,7 @@ class LLMEngine:
                 self._in_flight = self._try_launch_decode(self.scheduler.schedule(), previous.token_ids)
             return self._commit_decode(previous)
         started = time.perf_counter()
+        self._async_commit_time = None  # a synchronous step ends any run of overlapped steps
         cap, decided, drafting = self._spec_cap, self._spec_decided, self._draft_seconds
         sched = self.scheduler.schedule()
         for req in sched.preempted:
@@ -284,13 +287,19 @@ class LLMEngine:
         return [self.block_manager.block_table(s.request.request_id) for s in sched.scheduled]
 
     # ---- asynchronous decode steps (module docstring) ----------------------------------------------
-    @staticmethod
-    def _is_plain_decode(sched: SchedulerOutput) -> bool:
-        """Every scheduled request decodes one token without drafts and without speculation (a speculating
-        request's proposer must see each step's tokens before the next step), and nobody was preempted."""
+    def _is_plain_decode(self, sched: SchedulerOutput) -> bool:
+        """Every scheduled request decodes one token without drafts, and nobody was preempted. A speculating
+        request qualifies only while the adaptive policy's cap is 0 (``_lazy_decode_ok``): its drafter is shown
+        the step's features at launch and drafts nothing until a later synchronous step catches it up."""
+        lazy_ok = self._lazy_decode_ok()
         return not sched.preempted and all(
-            s.num_new_tokens == 1 and s.num_spec_tokens == 0 and s.samples and not s.request.spec.enabled
+            s.num_new_tokens == 1 and s.num_spec_tokens == 0 and s.samples and (lazy_ok or not s.request.spec.enabled)
             for s in sched.scheduled)
+
+    def _lazy_decode_ok(self) -> bool:
+        """The policy's cap is 0 and the drafters may wait one more step before catching up."""
+        return (self.spec_policy is not None and self._spec_decided and self._spec_cap == 0
+                and self._lazy_draft_steps < LAZY_DRAFT_STEPS)
 
     def _next_decode_is_certain(self, previous: InFlightStep) -> bool:
         """Whether the next ``schedule()`` will give exactly ``previous``'s requests, in the same order, one
@@ -306,6 +315,8 @@ class LLMEngine:
             return False  # a request finished, was aborted or joined since
         if len(running) > budget:
             return False
+        if any(r.spec.enabled for r in running) and not self._lazy_decode_ok():
+            return False  # their drafters must catch up (or the cap has changed): a synchronous step
         for r in running:
             # the step after previous samples token number len(output_ids) + num_pending_tokens + 1
             if len(r.output_ids) + r.num_pending_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
@@ -341,6 +352,11 @@ class LLMEngine:
             copied = torch.cuda.Event()
             copied.record()
         num_prompt = sum(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
+        lazy = [VerifiedChunk(r, r.num_computed_tokens, start, 1) for r, start in zip(requests, out.token_starts)
+                if r.spec.enabled]
+        if lazy:  # cap 0: the drafters queue this step's features; a synchronous step catches them up
+            self._observe(lazy, out.aux_hidden)
+            self._lazy_draft_steps += 1
         for r in requests:  # last: a launch that raised above has changed no request
             r.num_computed_tokens += 1
             r.num_pending_tokens += 1
@@ -352,26 +368,27 @@ class LLMEngine:
         if step.copied is not None:
             step.copied.synchronize()  # this step's tokens, not the one launched after it
         token_ids = step.host_token_ids.tolist()
+        now, previous_commit = time.perf_counter(), self._async_commit_time
+        self._async_commit_time = now
         outputs = []
         for s, tok in zip(step.sched.scheduled, token_ids):
             req = s.request
             req.num_pending_tokens -= 1
             if not req.finished:
                 outputs.append(self._commit(req, [tok]))
-        self._record_step(step.sched, sum(len(o.new_token_ids) for o in outputs), {}, {}, step.num_prompt_tokens)
+        num_emitted = sum(len(o.new_token_ids) for o in outputs)
+        if self.spec_policy is not None and previous_commit is not None and any(
+                s.request.spec.enabled for s in step.sched.scheduled):
+            # a cap-0 step of a run of overlapped steps: one step's time is the time between two commits
+            self.spec_policy.record(len(step.sched.scheduled), 0, now - previous_commit, num_emitted)
+        self._record_step(step.sched, num_emitted, {}, {}, step.num_prompt_tokens)
         return outputs
 
     def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
         """Show each proposer what its requests verified this step, then let it draft for those now decoding
         (no more drafts each than the adaptive policy's cap, when it runs)."""
         wanted = []  # (proposer, requests that may draft, their draft counts)
-        for method, proposer in self.proposers.items():
-            mine = [c for c in chunks if c.request.spec.method == method and not c.request.finished]
-            if not mine:
-                continue
-            aux = torch.cat([aux_hidden[i] for i in proposer.aux_layer_ids], dim=-1) if proposer.aux_layer_ids \
-                else None
-            proposer.observe(mine, aux)
+        for proposer, mine in self._observe(chunks, aux_hidden):
             requests = [c.request for c in mine if self._num_spec_tokens(c.request) > 0]
             wanted.append((proposer, requests, [self._num_spec_tokens(r) for r in requests]))
         self._spec_decided = False
@@ -392,6 +409,19 @@ class LLMEngine:
             for req, num_spec, draft in zip(requests, counts, proposer.propose(requests, counts)):
                 req.spec_token_ids = list(draft.token_ids[:num_spec])
                 req.spec_draft_probs = None if draft.probs is None else draft.probs[:len(req.spec_token_ids)]
+
+    def _observe(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]):
+        """Show each proposer its requests' verified chunks; returns [(proposer, its chunks)]."""
+        shown = []
+        for method, proposer in self.proposers.items():
+            mine = [c for c in chunks if c.request.spec.method == method and not c.request.finished]
+            if not mine:
+                continue
+            aux = torch.cat([aux_hidden[i] for i in proposer.aux_layer_ids], dim=-1) if proposer.aux_layer_ids \
+                else None
+            proposer.observe(mine, aux)
+            shown.append((proposer, mine))
+        return shown
 
     def _num_spec_tokens(self, req: Request) -> int:
         """Drafts worth proposing: none while prefilling; never more than could be committed (all accepted

@@ -195,3 +195,37 @@ def test_drafters_catch_up_after_steps_without_drafts(plain, method: str) -> Non
     if method == "draft":
         assert all(r.spec_counters.acceptance_rate == 1.0 for r in reqs)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_cap_zero_steps_overlap_like_plain_decode(plain, method: str) -> None:
+    """With asynchronous decode steps on, speculating requests held at cap 0 decode in overlapped steps too
+    (their drafters are shown each launched step's features, up to LAZY_DRAFT_STEPS steps, then a synchronous
+    step catches them up); when the cap lifts, drafting resumes exactly where a drafter that never paused
+    would be. Output is plain greedy's, nothing leaks, and the overlapped steps' goodput reaches the policy."""
+    from tests.unit.test_async_scheduling import run as run_async
+
+    ps = prompts(LENGTHS)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    reference = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3))
+    want = [r.output_ids for r in reference.generate(ps, params)]
+    for stub in (FixedCap(0), Alternating(3)):
+        engine = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3,
+                                             adaptive=True))
+        engine.spec_policy = stub
+        finished, device_steps = run_async(engine, ps, [params] * len(ps), async_on=True)
+        assert [finished[f"r{i}"][0] for i in range(len(ps))] == want
+        assert [o[:24] for o in want] == [plain[tuple(p)] for p in ps]
+        assert device_steps > 0, "no overlapped step ran"
+        assert any(rec[1] == 0 and rec[2] > 0 for rec in stub.records)
+        for proposer in engine.proposers.values():
+            assert not getattr(proposer, "pending", {}), "queued features left behind"
+            kv = getattr(proposer, "kv", None)
+            if kv is not None:
+                assert kv.blocks.num_free_blocks == kv.blocks.num_blocks and not kv.num_computed
+    if method == "draft":  # Alternating: drafting resumed after overlapped steps, every draft still accepted
+        engine = tiny_engine(spec=SpecConfig(method="draft", model="self", num_spec_tokens=3, adaptive=True))
+        engine.spec_policy = Alternating(3)
+        engine.async_scheduling = True
+        reqs = engine.generate(ps, params)
+        assert all(r.spec_counters.num_drafts > 0 and r.spec_counters.acceptance_rate == 1.0 for r in reqs)

@@ -376,7 +376,8 @@ def _acceptance(reqs, k: int) -> dict:
 def speed(args) -> None:
     """What the shipped head buys on the GPU: output tokens/s of the real target (bf16, CUDA graphs, our engine)
     with no speculation, EAGLE-3 (``--eagle3-head``, the committed head by default) at k = 3 and 5, and n-gram
-    at k = 3, greedy, on the three evaluation sets; at concurrency 1 (the first ``--c1-prompts`` prompts of each
+    at k = 3, the last two also with adaptive speculation (a fresh policy per row, its learning timed too),
+    greedy, on the three evaluation sets; at concurrency 1 (the first ``--c1-prompts`` prompts of each
     set one after another) and with the whole set submitted at once. Greedy speculation is lossless up to the
     rounding of bf16 GEMMs over other row counts, so the outputs are compared with plain decoding's and the
     share that is identical token for token is recorded. Writes $OUT/speed.json."""
@@ -384,12 +385,15 @@ def speed(args) -> None:
     from specserve.sampling import SamplingParams
     from specserve.spec.ngram import NgramProposer
     from specserve.spec.params import SpecParams
+    from specserve.spec.policy import SpecPolicy
 
     engine, ids = eval_engine(args, {"eagle3": ROOT / args.eagle3_head},
                               {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    methods = [("none", 0), ("eagle3", 3), ("eagle3", 5), ("ngram", 3)]
-    for method, k in methods:  # warm-up: graph capture and kernel selection stay out of the timings
+    # (method, k, adaptive): adaptive rows run with a fresh SpecPolicy (spec/policy.py), its learning included
+    methods = [("none", 0, False), ("eagle3", 3, False), ("eagle3", 5, False), ("ngram", 3, False),
+               ("eagle3", 3, True), ("ngram", 3, True)]
+    for method, k, _ in methods:  # warm-up: graph capture and kernel selection stay out of the timings
         engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=0.0), SpecParams(method, k))
     results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0), "head": args.eagle3_head,
                      "max_tokens": args.max_tokens, "greedy": True, "c1_prompts": args.c1_prompts,
@@ -397,8 +401,9 @@ def speed(args) -> None:
     plain: dict = {}  # (set, mode) -> plain decoding's (outputs, tokens/s), the baseline of that row group
     for name, prompts in ids.items():
         for mode, batch in (("c1", prompts[:args.c1_prompts]), ("all", prompts)):
-            for method, k in methods:
+            for method, k, adaptive in methods:
                 spec = SpecParams(method, k)
+                engine.set_spec_policy(SpecPolicy(caps=(0, 1, max(1, k // 2))) if adaptive else None)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if mode == "c1":
@@ -415,12 +420,14 @@ def speed(args) -> None:
                 drafts = sum(r.spec_counters.num_drafts for r in reqs)
                 acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
                 row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
+                       "adaptive": adaptive,
+                       "policy": engine.spec_policy.snapshot() if engine.spec_policy is not None else None,
                        "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                        "identical_to_plain": sum(a == b for a, b in zip(outs, plain_outs)) / max(len(outs), 1),
                        "speedup_vs_plain": tokens / seconds / plain_tok_s}
                 results["rows"].append(row)
-                print(f"{name:9s} {mode:3s} {method:6s} k={k}: {row['tok_s']:8.0f} tok/s "
+                print(f"{name:9s} {mode:3s} {method:6s} k={k}{'a' if adaptive else ' '}: {row['tok_s']:8.0f} tok/s "
                       f"x{row['speedup_vs_plain']:.2f} AL {row['mean_acceptance_length'] or 1:.2f} "
                       f"same {row['identical_to_plain']:.2f}", flush=True)
                 OUT.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,11 @@ class LLMEngine:
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: InFlightStep | None = None
 
+    def set_spec_policy(self, policy: SpecPolicy | None) -> None:
+        """Swap the adaptive speculation policy (None: off); the next drafting step asks the new one afresh."""
+        self.spec_policy = policy
+        self._spec_cap, self._spec_decided = None, False
+
     def _setup_draft_graphs(self, config: EngineConfig, model) -> None:
         """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's draft steps 2..k
         replay graphs too, captured on first use into the target graphs' memory pool (``spec/draft_graphs.py``)."""

@@ -112,7 +112,7 @@ def test_the_cap_bounds_every_requests_drafts(plain, cap) -> None:
     """A draft model identical to the target is always accepted, so each verify step shows the cap exactly:
     min(cap, 4) drafts per verify step, none at cap 0; the output is plain greedy's either way."""
     engine = tiny_engine(spec=SpecConfig(method="draft", model="self", num_spec_tokens=4, adaptive=True))
-    engine.spec_policy = stub = FixedCap(cap)
+    engine.set_spec_policy(stub := FixedCap(cap))
     ps = prompts(LENGTHS)
     reqs = engine.generate(ps, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert [r.output_ids for r in reqs] == [plain[tuple(p)] for p in ps]

@@ -76,6 +76,14 @@ class InFlightStep:
 LAZY_DRAFT_STEPS = 16
 
 
+def spec_caps(num_spec_tokens: int) -> tuple[int, ...]:
+    """The adaptive policy's caps besides "no cap": 0, 1 and K // 2, those below K (a cap >= K is no cap).
+
+        K = 1 -> (0,)    K = 3 -> (0, 1)    K = 5 -> (0, 1, 2)    K = 7 -> (0, 1, 3)
+    """
+    return tuple(sorted(c for c in {0, 1, num_spec_tokens // 2} if c < num_spec_tokens))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, model_config, tokenizer, metrics: MetricsSink | None = None,
                  proposers: dict[str, Proposer] | None = None):
@@ -110,11 +118,12 @@ class LLMEngine:
         self.default_num_spec_tokens = spec.num_spec_tokens
         # Adaptive speculation (spec/policy.py): a cap on the drafts per request, chosen each step from measured
         # goodput per batch size; ``_spec_cap`` is the cap the drafts now waiting for verification were made under.
-        self.spec_policy = SpecPolicy(caps=(0, 1, max(1, spec.num_spec_tokens // 2))) if spec.adaptive else None
+        self.spec_policy = SpecPolicy(caps=spec_caps(spec.num_spec_tokens)) if spec.adaptive else None
         self._spec_cap: int | None = None
         self._spec_decided = False  # whether the last step's drafting asked the policy (someone could draft)
         self._lazy_draft_steps = 0  # steps in a row whose drafter work was left for later (cap 0)
         self._draft_seconds = 0.0  # how long the last step's drafting took
+        self._caught_up = False  # whether it caught the drafters up after cap-0 steps
         self._async_commit_time: float | None = None  # when the last overlapped step committed (same run)
         # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
         startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
@@ -224,6 +233,7 @@ class LLMEngine:
         started = time.perf_counter()
         self._async_commit_time = None  # a synchronous step ends any run of overlapped steps
         cap, decided, drafting = self._spec_cap, self._spec_decided, self._draft_seconds
+        decided = decided and not self._caught_up  # that drafting paid for earlier cap-0 steps: not this cap's
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
@@ -393,18 +403,22 @@ class LLMEngine:
         """Show each proposer what its requests verified this step, then let it draft for those now decoding
         (no more drafts each than the adaptive policy's cap, when it runs)."""
         wanted = []  # (proposer, requests that may draft, their draft counts)
+        single = True  # every observed chunk is one decode token (a prefill chunk is never left queued)
         for proposer, mine in self._observe(chunks, aux_hidden):
             requests = [c.request for c in mine if self._num_spec_tokens(c.request) > 0]
             wanted.append((proposer, requests, [self._num_spec_tokens(r) for r in requests]))
+            single = single and all(c.num_tokens == 1 for c in mine)
         self._spec_decided = False
         if self.spec_policy is not None and any(requests for _, requests, _ in wanted):
             self._spec_cap, self._spec_decided = self.spec_policy.choose(self.num_running), True
-            if self._spec_cap == 0 and self._lazy_draft_steps < LAZY_DRAFT_STEPS:
+            if self._spec_cap == 0 and single and self._lazy_draft_steps < LAZY_DRAFT_STEPS:
                 # Nobody drafts: the drafters catch up on these tokens at a later step, in one pass over
                 # several steps' tokens (a head's layer costs about as much for 16 rows as for 1), bounded so
-                # that the queued target features stay few.
+                # that the queued target features stay few (at most LAZY_DRAFT_STEPS rows per request).
                 self._lazy_draft_steps += 1
+                self._caught_up = False
                 return
+        self._caught_up = self._lazy_draft_steps > 0
         self._lazy_draft_steps = 0
         for proposer, requests, counts in wanted:
             if self._spec_decided and self._spec_cap is not None:

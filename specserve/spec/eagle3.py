@@ -74,6 +74,12 @@ class Eagle3Proposer:
             if start != computed:
                 raise RuntimeError(f"{self.method}: request {rid} queued entries from position {start} but its "
                                    f"head cache holds {computed}")
+            expected = start
+            for position, rows in parts:  # queued chunks must follow one another (a duplicate would shift ids)
+                if position != expected:
+                    raise RuntimeError(f"{self.method}: request {rid} queued entries at position {position}, "
+                                       f"expected {expected}")
+                expected += rows.shape[0]
             features = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
             num = features.shape[0]
             rids.append(rid)

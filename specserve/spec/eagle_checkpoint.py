@@ -249,9 +249,10 @@ def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int
 
 @torch.no_grad()
 def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = None,
-                     max_shard_bytes: int | None = None) -> None:
+                     max_shard_bytes: int | None = None, verifier_architectures: tuple[str, ...] = ()) -> None:
     """Write ``head`` as a speculators-format checkpoint: config.json + model.safetensors, or shards of at most
-    ``max_shard_bytes`` plus their index."""
+    ``max_shard_bytes`` plus their index. ``verifier_architectures``: the target's HF architecture names, when
+    known (the head's own layers are always Llama layers, whatever the target)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = head.config
@@ -283,8 +284,7 @@ def save_speculators(head: EagleHead, path: str | Path, verifier: str | None = N
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_spec_tokens or 3,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            # the head's layer is built from the verifier's config, so they share one architecture
-            "verifier": {"name_or_path": verifier, "architectures": list(layer_cfg["architectures"])},
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
         },
     }
     if c.parallel:

@@ -88,8 +88,11 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     return train, held, stats
 
 
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.bfloat16,
-                max_shard_bytes: int = 48 << 20) -> list[str]:
+                max_shard_bytes: int = 48 << 20, verifier_architecture: str | None = None) -> list[str]:
     """Write the head in the speculators format, in ``dtype``, split into shards of at most
     ``max_shard_bytes`` (``model-0000k-of-0000n.safetensors`` + index) when larger. Returns the weight files."""
     import copy
@@ -106,7 +109,8 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
     out_dir = Path(out_dir)
     for stale in out_dir.glob("model*.safetensors*"):  # an earlier export's files would be read too
         stale.unlink()
-    save_speculators(export, out_dir, verifier, max_shard_bytes)
+    archs = (HF_ARCHITECTURES[verifier_architecture],) if verifier_architecture else ()
+    save_speculators(export, out_dir, verifier, max_shard_bytes, archs)
     return sorted(f.name for f in out_dir.glob("model*.safetensors"))
 
 
@@ -161,7 +165,7 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
     report["log"] = trainer.fit(train, held)
     report["best_step"] = trainer.best_step
     report["held_out"] = trainer.evaluate(held) if held else None
-    report["files"] = export_head(trainer.head, out, target)
+    report["files"] = export_head(trainer.head, out, target, verifier_architecture=model_config.architecture)
     report["seconds"] = time.perf_counter() - t0
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     if progress:

@@ -410,14 +410,18 @@ class Trainer:
 
     def _eagle3_into_peagle(self, trained: dict[str, torch.Tensor],
                             mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A P-EAGLE head started from a trained EAGLE-3 head of the same width: ``fc``, the first layer, the final
-        norm and the LM head are the EAGLE-3 head's; every later layer starts as the identity (its ``o_proj`` and
+        """A P-EAGLE head started from a trained EAGLE-3 head of the same width: ``fc``, its layers, the final
+        norm and the LM head are the EAGLE-3 head's; every further layer starts as the identity (its ``o_proj`` and
         ``down_proj`` are zero, so the residual passes through unchanged) and the mask embedding row and feature
         as a fresh P-EAGLE head's. Slot 1 then drafts exactly as the EAGLE-3 head's first step, and training
         starts from there instead of from random layers."""
-        state = {**mine, **{k: v for k, v in trained.items() if k in mine}}
-        for name, value in mine.items():
-            if name.startswith("layers.") and not name.startswith("layers.0.") and name.endswith(
+        extra = sorted(k for k in trained if k not in mine)
+        if extra:  # more layers, or fc norms this head does not have: not a head this one can start from
+            raise ValueError(f"init_head: an EAGLE-3 head with tensors this P-EAGLE head lacks: {extra[:4]}")
+        trained_layers = len({k.split(".")[1] for k in trained if k.startswith("layers.")})
+        state = {**mine, **trained}
+        for name, value in mine.items():  # the layers the trained head lacks start as the identity
+            if name.startswith("layers.") and int(name.split(".")[1]) >= trained_layers and name.endswith(
                     ("self_attn.o_proj.weight", "mlp.down_proj.weight")):
                 state[name] = torch.zeros_like(value)
         return state

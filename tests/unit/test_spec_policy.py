@@ -229,3 +229,34 @@ def test_cap_zero_steps_overlap_like_plain_decode(plain, method: str) -> None:
         engine.async_scheduling = True
         reqs = engine.generate(ps, params)
         assert all(r.spec_counters.num_drafts > 0 and r.spec_counters.acceptance_rate == 1.0 for r in reqs)
+
+
+def test_spec_caps_stay_below_the_draft_length() -> None:
+    from specserve.engine.engine import spec_caps
+
+    assert [spec_caps(k) for k in (1, 2, 3, 5, 7)] == [(0,), (0, 1), (0, 1), (0, 1, 2), (0, 1, 3)]
+
+
+def test_queued_features_stay_bounded_and_prefill_chunks_are_never_left_queued() -> None:
+    """At cap 0 an EAGLE drafter holds at most LAZY_DRAFT_STEPS queued rows per request, one row per step: a
+    step with a prompt chunk (chunked prefill, a late arrival) catches every drafter up instead of skipping."""
+    from specserve.engine.engine import LAZY_DRAFT_STEPS
+
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3, adaptive=True),
+                         max_num_batched_tokens=16)
+    engine.set_spec_policy(FixedCap(0))
+    proposer = engine.proposers["eagle3"]
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts(LENGTHS[:3])):
+        engine.add_request(f"r{i}", p, params)
+    steps, most = 0, 0
+    while engine.has_unfinished():
+        if steps == 30:  # a late arrival: its prompt chunks share steps with the others' decode tokens
+            engine.add_request("late", prompts([40], seed=5)[0], params)
+        engine.step()
+        steps += 1
+        for _, parts in proposer.pending.values():
+            assert all(rows.shape[0] == 1 for _, rows in parts)
+            most = max(most, sum(rows.shape[0] for _, rows in parts))
+    assert 1 < most <= LAZY_DRAFT_STEPS
+    assert_clean(engine)

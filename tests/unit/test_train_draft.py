@@ -559,6 +559,10 @@ def test_peagle_starts_from_a_trained_eagle3_head(tmp_path) -> None:
     warm.head.train()
     warm.fit(samples)
     assert warm.head_state()["layers.1.self_attn.o_proj.weight"].any()  # the identity layers learn
+    deep, _ = tiny_trainer("eagle3", tmp_path / "deep", num_layers=3)
+    export_head(deep.head, tmp_path / "deep_head", "tiny", dtype=torch.float32)
+    with pytest.raises(ValueError, match="init_head.*lacks"):  # 3 trained layers do not fit in 2
+        tiny_trainer("peagle", tmp_path / "p2", num_layers=2, init_head=str(tmp_path / "deep_head"))
 
 
 def test_init_head_draft_ids_are_the_heads_vocabulary(tmp_path) -> None:

@@ -328,10 +328,12 @@ def test_export_then_load_gives_identical_drafts(tmp_path, method: str, mlp: int
     trainer, engine = tiny_trainer(method, tmp_path / "run", num_layers=1 if method == "eagle3" else 2,
                                    head_intermediate_size=mlp)
     out = tmp_path / "head"
-    files = export_head(trainer.head, out, "tiny", dtype=torch.float32, max_shard_bytes=20_000)
+    files = export_head(trainer.head, out, "tiny", dtype=torch.float32, max_shard_bytes=20_000,
+                        verifier_architecture="qwen3")
     assert len(files) > 1 and (out / "model.safetensors.index.json").exists()  # sharded
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == method and cfg["draft_vocab_size"] == VOCAB // 2 + 1
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}
     width = cfg["transformer_layer_config"]["intermediate_size"]
     assert width == (mlp or engine.model_config.intermediate_size) and width != (96 if not mlp else 0)
     loaded = load_eagle_head(out, 2, VOCAB, 512, torch.float32, torch.device("cpu"))

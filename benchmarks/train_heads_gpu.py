@@ -492,7 +492,7 @@ def main() -> int:
     ap.add_argument("--peagle-dir", default="peagle", help="eval: the P-EAGLE head under /tmp/work")
     ap.add_argument("--peagle-init-head", default=None,
                     help="P-EAGLE: start from this head (repo path or absolute): a P-EAGLE head, or an EAGLE-3 head "
-                         "of the same --head-intermediate, whose first layer, fc and LM head it takes")
+                         "of the same --head-intermediate, whose layers, fc and LM head it takes")
     ap.add_argument("--peagle-only", action="store_true", help="train P-EAGLE on the data an earlier call of this "
                     "warm machine generated (/tmp/work/eagle3), or --data")
     ap.add_argument("--data", nargs="+", default=None,

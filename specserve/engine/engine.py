@@ -405,8 +405,8 @@ class LLMEngine:
         wanted = []  # (proposer, requests that may draft, their draft counts)
         single = True  # every observed chunk is one decode token (a prefill chunk is never left queued)
         for proposer, mine in self._observe(chunks, aux_hidden):
-            requests = [c.request for c in mine if self._num_spec_tokens(c.request) > 0]
-            wanted.append((proposer, requests, [self._num_spec_tokens(r) for r in requests]))
+            drafting = [(c.request, n) for c in mine if (n := self._num_spec_tokens(c.request)) > 0]
+            wanted.append((proposer, [r for r, _ in drafting], [n for _, n in drafting]))
             single = single and all(c.num_tokens == 1 for c in mine)
         self._spec_decided = False
         if self.spec_policy is not None and any(requests for _, requests, _ in wanted):

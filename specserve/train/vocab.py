@@ -27,10 +27,7 @@ def token_counts(samples: list[Sample], vocab_size: int) -> np.ndarray:  # [voca
 
 def draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> torch.Tensor:  # [draft_vocab_size] int64
     """The ``draft_vocab_size`` most frequent ids, ascending; ties broken by the lower id (stable)."""
-    if draft_vocab_size > len(counts):
-        raise ValueError(f"draft_vocab_size: {draft_vocab_size} exceeds the target vocabulary ({len(counts)})")
-    order = np.argsort(-counts, kind="stable")[:draft_vocab_size]
-    return torch.from_numpy(np.sort(order)).to(torch.int64)
+    return extend_vocab(torch.empty(0, dtype=torch.int64), counts, draft_vocab_size)
 
 
 def extend_vocab(keep: torch.Tensor, counts: np.ndarray, draft_vocab_size: int) -> torch.Tensor:

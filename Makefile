@@ -25,7 +25,7 @@ serve: setup
 	$(PY) -m specserve.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check specserve tests benchmarks
+	$(VENV)/bin/ruff check specserve tests benchmarks tools
 
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -136,6 +136,20 @@ def test_multibyte_character_is_held_until_complete(ours: Tokenizer) -> None:
     assert deltas.count("") == len(ids) - 3
 
 
+def test_prompt_ending_in_an_unfinished_character_does_not_swallow_the_output(ours: Tokenizer) -> None:
+    """Found by the property test below: prompt [141] ends in an unfinished UTF-8 sequence and output [111] alone
+    decodes to U+FFFD; used as decode context, the prompt merged with it into one unfinished sequence and the
+    stream emitted nothing. Also a character split between prompt and output: the output's text is what
+    decoding the output alone gives, streamed or not."""
+    assert ours.decode([141]).endswith("\ufffd")
+    deltas, detok = _stream(ours, [111], [], prompt_ids=[141])
+    assert "".join(deltas) == detok.text == ours.decode([111]) == "\ufffd"
+    ids = ours.encode("a😀b")  # the emoji spans several byte-level tokens
+    split = next(i for i in range(1, len(ids)) if ours.decode(ids[:i]).endswith("\ufffd"))
+    deltas, detok = _stream(ours, ids[split:], [1, 2], prompt_ids=ids[:split])
+    assert "".join(deltas) == detok.text == ours.decode(ids[split:])
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_random_token_streams_concatenate_to_decode(ours: Tokenizer, data) -> None:

@@ -11,6 +11,14 @@ float32 activations (the default, ``quant``) and with activations quantized per 
 Reports the median time of one call (mean in the JSON), and the weight bytes per second it implies.
 
     .venv/bin/python benchmarks/cpu_quant_gemm.py [--threads 2] [--repeats 7] [--rows 1,5,8]
+
+``--shapes head``: the shipped EAGLE-3 head's projections in Q8_0 (``SpecConfig.head_cpu_quant``: lm_head 32768 x
+576, gate|up 12288 x 576, down 576 x 6144, fc 576 x 1728, q|k|v 960 x 1152), the rows a draft step has (1 per
+drafting request; the first step of a round also ingests the verified tokens), which sets
+``eagle_head.HEAD_QUANT_MAX_ROWS``:
+
+    .venv/bin/python benchmarks/cpu_quant_gemm.py --shapes head --rows 1,4,8,16,32 --repeats 5 \
+        --out benchmarks/results/cpu_head_gemm.json
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from specserve.bench.machine import machine_info as machine  # noqa: E402
 from specserve.layers.quant_cpu import BLOCK_BYTES, QuantizedWeight, load_extension, quant_linear  # noqa: E402
 
 SHAPES = [("q4_1", 3072, 576), ("q4_1", 576, 1536), ("q4_1", 960, 576), ("q4_1", 576, 576), ("q8_0", 49152, 576)]
+HEAD_SHAPES = [("q8_0", 32768, 576), ("q8_0", 12288, 576), ("q8_0", 576, 6144), ("q8_0", 576, 1728),
+               ("q8_0", 960, 1152)]
 ROWS = "1,5,8"
 COLD_BYTES = 192 << 20  # fp32 weight copies per shape add up to at least this (> 32 MiB L3, x6)
 
@@ -68,6 +78,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", default=ROWS, help="comma-separated row counts M")
+    parser.add_argument("--shapes", choices=["target", "head"], default="target",
+                        help="SmolLM2's own projections (target) or the shipped EAGLE-3 head's in Q8_0 (head)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "cpu_quant_gemm.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,7 +94,7 @@ def main() -> int:
               f"{'packed/quant':>12}")
     print(header)
     print("-" * len(header))
-    for qtype, n, k in SHAPES:
+    for qtype, n, k in (HEAD_SHAPES if args.shapes == "head" else SHAPES):
         fp32_bytes = n * k * 4
         copies = max(1, min(64, math.ceil(COLD_BYTES / fp32_bytes)))
         quant = [QuantizedWeight.from_gguf_bytes(random_blocks(rng, qtype, n, k), qtype, n, k) for _ in range(copies)]

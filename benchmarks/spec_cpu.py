@@ -9,6 +9,8 @@ fp32 on CPU) at batch 1 and 8, greedy, for each method:
     eagle3    a random EAGLE-3 head (acceptance ~0: the pure cost of a head that drafts and is rejected)
     eagle3_trained  the EAGLE-3 head the repository ships (heads/, `make serve`'s drafter)
     peagle    a random P-EAGLE head (same, one forward per round)
+    <method>_fp32head  an EAGLE-3 / P-EAGLE head with its float32 weights (by default a CPU head runs from
+              Q8_0 blocks of them, ``SpecConfig.head_cpu_quant``), e.g. eagle3_trained_fp32head
     <method>_adaptive  the same with adaptive speculation (``--spec-adaptive``: each step's draft cap chosen
               from measured goodput per batch size, spec/policy.py), e.g. eagle3_trained_adaptive
 
@@ -74,8 +76,10 @@ def run(parts, method: str, k: int, batch: int, prompt_ids: list[list[int]], max
     from specserve.sampling import SamplingParams
 
     base = method.removesuffix("_adaptive")
+    head_quant = "none" if base.endswith("_fp32head") else SpecConfig.head_cpu_quant
+    base = base.removesuffix("_fp32head")
     spec = SpecConfig(method=base.removesuffix("_trained"), model=METHODS[base], num_spec_tokens=k,
-                      ngram_min=ngram[0], ngram_max=ngram[1],
+                      ngram_min=ngram[0], ngram_max=ngram[1], head_cpu_quant=head_quant,
                       adaptive=method.endswith("_adaptive")) if method != "none" else SpecConfig()
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=1.0), speculative=spec,
                        cpu_activation_quant=cpu_activation_quant,

@@ -16,12 +16,14 @@ limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
     speed   output tokens/s of the real target: plain vs the committed EAGLE-3 head vs n-gram, concurrency 1
             and whole sets; writes $OUT/speed.json
 
-The P-EAGLE head's embedding is the target's plus one learned row (the mask token): only that row comes back
-(``mask_embedding.safetensors``) and ``merge`` rebuilds the full table from the local GGUF.
+Both heads embed with the target's table, which is not part of a head (P-EAGLE keeps only its learned mask-token
+row, ``mask_embedding``), so a head comes back and is committed as trained.
+
+Before committing heads, ``python tools/submission_size.py``: a stop's commits are rejected whole past 256 MiB of
+diffs, and replacing a 64 MB head counts its old and new bytes; commit each head once, at the end.
 
     benchmarks/device_tree.sh hide; python benchmarks/train_heads_gpu.py split   (here, once)
     python benchmarks/train_heads_gpu.py stage|train|eval|pack|send   (device calls, carrying .carry/gK or .carry/d)
-    python benchmarks/train_heads_gpu.py merge --heads DIR   (here, after train)
 """
 
 from __future__ import annotations
@@ -242,12 +244,11 @@ def _generate_shard(args, name: str) -> None:
 
 
 def pack(reports: dict, parts: str | None = None) -> None:
-    """The heads trained under /tmp/work/<name> (P-EAGLE without its copy of the target's embedding) + reports
+    """The heads trained under /tmp/work/<name> + reports
     -> /tmp/work/bundle-<names>.tar -> $OUT/<names>.tar.NN, 15 MB parts. At most 64 MiB comes back from one call: a
     bundle larger than that (a P-EAGLE head of 2-4 wide layers is 87-133 MB) comes back over several calls,
     ``parts`` "A:B" writing parts A..B-1 now and ``send_parts`` the rest in the next calls (the warm machine
     keeps /tmp/work)."""
-    from safetensors.torch import load_file, save_file
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "-".join(reports)
     bundle = WORK / f"bundle-{stem}"  # per stem: two training processes may pack side by side
@@ -256,19 +257,9 @@ def pack(reports: dict, parts: str | None = None) -> None:
         dst = bundle / method
         dst.mkdir(parents=True)
         src = WORK / method
-        parallel = "PEagleSpeculator" in json.loads((src / "config.json").read_text()).get("architectures", [])
         for f in src.iterdir():
-            if f.name.endswith((".safetensors", ".json")) and f.name != "model.safetensors.index.json":
+            if f.name.endswith((".safetensors", ".json")):
                 shutil.copy(f, dst / f.name)
-        if parallel:
-            state = {}
-            for f in sorted(dst.glob("model*.safetensors")):
-                state.update(load_file(str(f)))
-                f.unlink()
-            cfg = json.loads((dst / "config.json").read_text())
-            save_file({"mask_embedding": state.pop("embed_tokens.weight")[cfg["mask_token_id"]][None].clone()},
-                      str(dst / "mask_embedding.safetensors"))
-            save_file(state, str(dst / "model.safetensors"))
         (dst / "train_report.json").write_text(json.dumps(reports.get(method, {}), indent=2, default=str))
     with tarfile.open(WORK / f"bundle-{stem}.tar", "w") as tar:
         tar.add(bundle, arcname="heads")
@@ -434,37 +425,12 @@ def speed(args) -> None:
                 (OUT / "speed.json").write_text(json.dumps(results, indent=2))
 
 
-def merge(heads: Path) -> None:
-    """Rebuild the P-EAGLE head's embedding: the target's (dequantized from the local GGUF, bf16) with the
-    learned mask row, then save the head sharded (speculators format)."""
-    from safetensors.torch import load_file
-
-    from specserve.models.fetch import default_model_path
-    from specserve.models.loader import load_model
-    from specserve.spec.eagle_checkpoint import load_eagle_head
-    from specserve.train.pipeline import export_head
-
-    d = heads / "peagle"
-    model, config, _ = load_model(str(default_model_path()), "float32", torch.device("cpu"), 2048)
-    cfg = json.loads((d / "config.json").read_text())
-    state = load_file(str(d / "model.safetensors"))
-    embed = model.embed_tokens.weight.detach().to(torch.bfloat16).clone()
-    embed[cfg["mask_token_id"]] = load_file(str(d / "mask_embedding.safetensors"))["mask_embedding"][0]
-    state["embed_tokens.weight"] = embed
-    from safetensors.torch import save_file
-    save_file(state, str(d / "model.safetensors"))
-    head = load_eagle_head(d, config.num_hidden_layers, config.vocab_size, 2048, torch.float32, torch.device("cpu"))
-    (d / "model.safetensors").unlink()
-    (d / "mask_embedding.safetensors").unlink()
-    print(export_head(head, d, cfg["speculators_config"]["verifier"]["name_or_path"] or "SmolLM2-135M-Instruct"))
-
-
 def main() -> int:
     # a 32k-row draft LM head's [rows, vocab] fp32 temporaries fragment the caching allocator (stop 16 ran out of
     # memory with 9.7 GiB reserved but free); read when CUDA first allocates, so set before any work
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "merge", "pack",
+    ap.add_argument("phase", choices=["split", "stage", "generate", "train", "eval", "speed", "pack",
                                            "send"])
     ap.add_argument("--part-mb", type=float, default=49.5, help="split: GGUF part size")
     ap.add_argument("--data-dir", type=Path,
@@ -530,7 +496,7 @@ def main() -> int:
     args = ap.parse_args()
     {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),
-     "eval": lambda: evaluate(args), "speed": lambda: speed(args), "merge": lambda: merge(args.heads),
+     "eval": lambda: evaluate(args), "speed": lambda: speed(args),
      "pack": lambda: pack({n: json.loads((WORK / n / "train_report.json").read_text()) for n in args.pack},
                           args.pack_parts),
      "send": lambda: send_parts("-".join(args.pack), args.pack_parts)}[

@@ -9,6 +9,7 @@ import sys
 from specserve.config import (
     CPU_ACTIVATION_QUANTS,
     DEFAULT_CUDA_GRAPH_BATCH_SIZES,
+    HEAD_CPU_QUANTS,
     MAX_NUM_SPEC_TOKENS,
     QUANTIZATION_METHODS,
     SPEC_METHODS,
@@ -84,6 +85,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=SpecConfig.adaptive,
                    help="cap the drafts per request each step at 0, 1, K/2 or K, whichever has given the most "
                         "tokens per second at the current batch size (measured while serving; lossless)")
+    g.add_argument("--spec-head-cpu-quant", choices=HEAD_CPU_QUANTS, default=SpecConfig.head_cpu_quant,
+                   help="on CPU, run an EAGLE-3 / P-EAGLE head's projections from 8-bit blocks of its weights "
+                        "(q8_0: ~4x fewer bytes a draft step than fp32; drafts may change slightly, output does "
+                        "not) or keep fp32 (none)")
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
                    help="shortest suffix n-gram the n-gram lookup matches")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
@@ -92,7 +97,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 # Config fields whose flag is not simply ``--`` + the field name with dashes.
 _FLAG_OF_FIELD = {"num_blocks": "--num-kv-blocks", "speculative.method": "--spec-method",
-                  "speculative.model": "--spec-model", "cuda_graphs.batch_sizes": "--cuda-graph-batch-sizes",
+                  "speculative.model": "--spec-model", "speculative.head_cpu_quant": "--spec-head-cpu-quant",
+                  "cuda_graphs.batch_sizes": "--cuda-graph-batch-sizes",
                   "cuda_graphs.max_query_len": "--cuda-graph-max-query-len"}
 
 
@@ -110,7 +116,8 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     try:
         return SpecConfig(method=args.spec_method, model=args.spec_model, num_spec_tokens=args.num_spec_tokens,
                           ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                          adaptive=getattr(args, "spec_adaptive", SpecConfig.adaptive))
+                          adaptive=getattr(args, "spec_adaptive", SpecConfig.adaptive),
+                          head_cpu_quant=getattr(args, "spec_head_cpu_quant", SpecConfig.head_cpu_quant))
     except ValueError as exc:
         raise ValueError(f"speculative.{exc}") from None
 

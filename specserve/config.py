@@ -89,6 +89,8 @@ class SchedulerConfig:
 QUANTIZATION_METHODS = ("fp8", "int4")
 # EngineConfig.cpu_activation_quant: activations of the block-quantized CPU matmuls (float32, or int8 per block of 32)
 CPU_ACTIVATION_QUANTS = ("none", "q8")
+# SpecConfig.head_cpu_quant: the GGUF block format an EAGLE-3 / P-EAGLE head's projections run from on CPU
+HEAD_CPU_QUANTS = ("none", "q8_0")
 
 # Batch-size buckets of CUDA-graph decode/verify steps: a step of 5 sequences replays the bucket-8 graph.
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -157,8 +159,15 @@ class SpecConfig:
     # or not at all, whichever has given the most committed tokens per second at this batch size (measured,
     # with periodic probes). Lossless either way; seeded sampled outputs then depend on timings.
     adaptive: bool = False
+    # On CPU (with EngineConfig.quantized_cpu_kernels) an EAGLE-3 / P-EAGLE head's projections and LM head run from
+    # Q8_0 blocks of their own weights: a draft step streams every head weight once, and 8-bit blocks are ~4x fewer
+    # bytes than fp32 (SmolLM2's shipped head: 128 MB -> 34 MB a step, more than the Q4_1 target's own step
+    # before). Drafts may change slightly; output does not (the verifier decides). "none" keeps fp32.
+    head_cpu_quant: str = "q8_0"
 
     def __post_init__(self) -> None:
+        _require(self.head_cpu_quant in HEAD_CPU_QUANTS, "head_cpu_quant",
+                 f"must be one of {', '.join(HEAD_CPU_QUANTS)}, got {self.head_cpu_quant!r}")
         _require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}")
         _require(self.method not in SPEC_MODEL_METHODS or bool(self.model), "model",
                  f"speculative method {self.method!r} needs a drafter model")

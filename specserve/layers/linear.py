@@ -94,6 +94,9 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     quant: object | None = None  # QuantizedWeight holding exactly ``weight``, in block form
     activation_quant: str = "none"  # "none" | "q8": how ``quant``'s kernel takes x (EngineConfig.cpu_activation_quant)
+    # Row counts up to this take ``quant``'s kernel, more take the fp32 path; None: ``use_quant_kernel``'s rule (a
+    # target's layers, whose rows must not depend on the rows beside them). A draft head may pick its own.
+    quant_max_rows: int | None = None
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -102,7 +105,8 @@ class Linear(nn.Linear):
         self,
         x: torch.Tensor,  # [num_rows, in_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
-        if self.quant is not None and use_quant_kernel(x.shape[0], self.activation_quant):
+        if self.quant is not None and (use_quant_kernel(x.shape[0], self.activation_quant)
+                                       if self.quant_max_rows is None else x.shape[0] <= self.quant_max_rows):
             return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

@@ -121,6 +121,22 @@ class QuantizedWeight:
         qs = blocks[..., 2:].contiguous().view(torch.int8)
         return cls(qtype, out_features, in_features, qs, d, None)
 
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,  # [out_features, in_features], in_features a multiple of 32
+        qtype: QType,
+    ) -> QuantizedWeight:
+        """Quantize a float weight to GGUF blocks with the ``gguf`` package's reference quantizer (Q8_0: one f16
+        scale ``max|w| / 127`` per block of 32 and codes ``round(w / scale)``)."""
+        from gguf import GGMLQuantizationType, quants
+        out_features, in_features = weight.shape
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"in_features={in_features} is not a multiple of {BLOCK_SIZE}")
+        kind = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[qtype]
+        raw = quants.quantize(weight.detach().float().cpu().contiguous().numpy(), kind)
+        return cls.from_gguf_bytes(raw, qtype, out_features, in_features)
+
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Output rows ``index`` (any order, repeats allowed): the weight ``dequantize()[index]``."""
         index = torch.as_tensor(index, dtype=torch.long)

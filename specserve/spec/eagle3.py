@@ -161,8 +161,10 @@ class Eagle3Proposer:
 
 
 def load_eagle_proposer(method: str, model: str, target, target_config, num_blocks: int, block_size: int,
-                        device: torch.device, seed: int = 0):
-    """``method`` "eagle3" or "peagle"; ``model`` a checkpoint directory or ``dummy`` / ``dummy:<seed>``."""
+                        device: torch.device, seed: int = 0, cpu_quant: str = "none"):
+    """``method`` "eagle3" or "peagle"; ``model`` a checkpoint directory or ``dummy`` / ``dummy:<seed>``.
+    ``cpu_quant`` "q8_0": a float32 head on CPU runs its projections from 8-bit blocks (``EagleHead.quantize_cpu``)
+    when the block kernel builds."""
     from specserve.spec.eagle_checkpoint import dummy_head, load_eagle_head
     dtype = next(target.parameters()).dtype
     if model == "dummy" or model.startswith("dummy:"):
@@ -177,6 +179,10 @@ def load_eagle_proposer(method: str, model: str, target, target_config, num_bloc
                          f"{'peagle' if head.config.parallel else 'eagle3'}")
     from specserve.layers.ops import select_ops
     head.set_ops(select_ops(device, dtype))
+    if cpu_quant != "none" and device.type == "cpu" and dtype == torch.float32:
+        from specserve.layers.quant_cpu import load_extension
+        if load_extension() is not None:
+            head.quantize_cpu(cpu_quant)
     head.pack_weights()
     if method == "peagle":
         from specserve.spec.peagle import PEagleProposer

@@ -14,7 +14,8 @@ repositories; no code taken):
   ``eagle_config.eagle_aux_hidden_state_layer_ids``, which SpecForge counts as *outputs* of layers (SGLang adds
   one when capturing), so they are shifted by one here to name layer inputs. Weights ``midlayer.*`` = layer 0.
 
-Both may prefix weights with ``model.``; ``embed_tokens`` is optional (the target's is used), ``d2t`` (int64
+Both may prefix weights with ``model.``; ``embed_tokens`` is optional (the target's is used; a P-EAGLE head on
+the target's table may carry ``mask_embedding``, ``[hidden]``, its learned mask-token row), ``d2t`` (int64
 offsets, ``target_id = draft_id + d2t[draft_id]``) and ``t2d`` (bool mask over the target vocabulary) are
 absent when the draft vocabulary is the target's. With no layer ids anywhere, the EAGLE-3 default
 ``(2, L // 2, L - 3)`` of an L-layer target applies.
@@ -69,7 +70,7 @@ def _layer_config(hf: dict[str, Any]) -> ModelConfig:
 
 
 def head_config_from_json(cfg: dict[str, Any], num_target_layers: int, target_vocab_size: int,
-                          has_embedding: bool = True) -> EagleHeadConfig:
+                          has_embedding: bool = True, mask_embedding: bool = False) -> EagleHeadConfig:
     """Either dialect's config.json -> ``EagleHeadConfig``. Raises ValueError naming what is wrong."""
     kind = cfg.get("speculators_model_type")
     if kind is not None:
@@ -109,7 +110,8 @@ def head_config_from_json(cfg: dict[str, Any], num_target_layers: int, target_vo
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)), fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=bool(cfg.get("norm_output", False)) if kind is not None else False,
-        has_embedding=has_embedding, parallel=parallel, mask_token_id=None if mask is None else int(mask),
+        has_embedding=has_embedding, mask_embedding=mask_embedding and parallel and not has_embedding,
+        parallel=parallel, mask_token_id=None if mask is None else int(mask),
         num_spec_tokens=num_spec)
 
 
@@ -183,6 +185,8 @@ def load_head_state(head: EagleHead, state: dict[str, torch.Tensor]) -> None:
         put("d2t", take("d2t"))
     if head.mask_hidden is not None:
         put("mask_hidden", take("mask_hidden"))
+    if head.mask_embedding is not None:
+        put("mask_embedding", take("mask_embedding"))
     missing = {n for n, _ in head.named_parameters()} - loaded
     if missing:
         raise ValueError(f"speculative.model: weights not loaded: {sorted(missing)[:5]}")
@@ -204,7 +208,8 @@ def load_eagle_head(path: str | Path, num_target_layers: int, target_vocab_size:
         raise FileNotFoundError(f"speculative.model: {path} has no config.json")
     state = _read_weights(path)
     config = head_config_from_json(json.loads((path / "config.json").read_text()), num_target_layers,
-                                   target_vocab_size, has_embedding="embed_tokens.weight" in state)
+                                   target_vocab_size, has_embedding="embed_tokens.weight" in state,
+                                   mask_embedding="mask_embedding" in state)
     head = build_head(config, max_position, dtype, device)
     load_head_state(head, {k: v.to(device) if k == "d2t" else v.to(device, dtype) for k, v in state.items()})
     return head
@@ -236,7 +241,7 @@ def dummy_head(target: ModelConfig, parallel: bool, seed: int, max_position: int
     draft_vocab = max(1, target.vocab_size // 2)
     fields = {"target_hidden_size": target.hidden_size, "draft_vocab_size": draft_vocab,
               "aux_layer_ids": head_aux_layer_ids(target.num_hidden_layers),
-              "has_embedding": False, "parallel": parallel,
+              "has_embedding": False, "mask_embedding": parallel, "parallel": parallel,
               "mask_token_id": target.vocab_size - 1 if parallel else None}
     config = EagleHeadConfig(layer=layer, **{**fields, **overrides})
     head = build_head(config, max_position, dtype, device)

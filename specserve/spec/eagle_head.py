@@ -10,7 +10,10 @@ vocabulary, mapped to target ids by ``target_id = draft_id + d2t[draft_id]``. Th
 feeds back the last layer's output before the final norm (after it, with ``norm_output``).
 
 P-EAGLE drafts all tokens in one pass: slots 2..k of a request take the learned ``mask_token_id`` embedding
-and ``fc(mask_hidden)``, a learned shared feature in the fused ``n_aux * target_hidden`` space.
+and ``fc(mask_hidden)``, a learned shared feature in the fused ``n_aux * target_hidden`` space. A head either has
+its own embedding table (``embed_tokens``, the mask token's row learned) or uses the target's table with one learned
+row for the mask token (``mask_embedding``, ``[hidden_size]``): the same function, without storing a copy of the
+target's table in the checkpoint (49,152 x 576 for SmolLM2, more than a 2-layer head's other weights).
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from specserve.layers.ops import TorchOps
 from specserve.layers.rope import RotaryEmbedding
 from specserve.models.llama import MLP, Attention, DecoderLayer
 
+# Rows of a draft head's projection that take its Q8_0 block kernel (int8 activations) on CPU rather than oneDNN's
+# packed fp32 GEMM (``EagleHead.quantize_cpu``). The kernel's arithmetic grows with the rows, the fp32 GEMM's much
+# less: on 2 AVX2 cores, weights streamed cold, lm_head 32768 x 576 takes 0.72 vs 3.32 ms at 1 row, 2.38 vs 3.93 at
+# 8, 4.68 vs 4.78 at 16, 9.10 vs 7.76 at 32; down 576 x 6144 0.52 vs 0.73 at 8, 0.99 vs 0.89 at 16
+# (benchmarks/results/cpu_head_gemm.json).
+HEAD_QUANT_MAX_ROWS = 12
+
 
 @dataclass
 class EagleHeadConfig:
@@ -43,6 +53,7 @@ class EagleHeadConfig:
     fc_norm: bool = False  # one RMSNorm per feature (fc_norm.{j}) before fc
     norm_output: bool = False  # feed norm(h) to the next draft step instead of h
     has_embedding: bool = True  # False: the head uses the target's embedding table
+    mask_embedding: bool = False  # P-EAGLE on the target's table: a learned embedding for mask_token_id
     parallel: bool = False  # P-EAGLE
     mask_token_id: int | None = None  # P-EAGLE slots 2..k
     num_spec_tokens: int | None = None  # the checkpoint's suggestion, if it has one
@@ -55,6 +66,8 @@ class EagleHeadConfig:
             raise ValueError("fc_norm: cannot be combined with norm_before_fc")
         if self.parallel and self.mask_token_id is None:
             raise ValueError("mask_token_id: a P-EAGLE head needs the id of its mask token")
+        if self.mask_embedding and (self.has_embedding or not self.parallel):
+            raise ValueError("mask_embedding: only a P-EAGLE head on the target's embedding table has one")
 
     @property
     def fc_in_features(self) -> int:
@@ -112,6 +125,7 @@ class EagleHead(nn.Module):
         self.lm_head = Linear(c.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.mask_hidden = nn.Parameter(torch.zeros(config.fc_in_features)) if config.parallel else None
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if config.mask_embedding else None
         self.max_position = max_position
         self.rope: RotaryEmbedding | None = None
         self.ops = TorchOps()
@@ -132,9 +146,37 @@ class EagleHead(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
 
+    @torch.no_grad()
+    def quantize_cpu(self, qtype: str) -> int:
+        """Run every projection (``fc``, attention, MLP, ``lm_head``) from GGUF blocks of its own weight
+        (``layers/quant_cpu.py``): a CPU draft step reads every head weight once, so 8-bit blocks read ~4x fewer
+        bytes than fp32 ones. Up to ``HEAD_QUANT_MAX_ROWS`` rows take the block kernel with int8 activations
+        (integer dot products; a draft needs no row independence, the verifier decides); more rows, where the
+        kernel's arithmetic costs more than oneDNN's fp32 GEMM, take the fp32 path. The float weights are replaced
+        by the blocks' dequantized values, so both paths compute the same function up to the rounding of the
+        activations. Call before ``pack_weights``; CPU float32 only. Returns how many projections were quantized."""
+        from specserve.layers.quant_cpu import BLOCK_SIZE, QuantizedWeight
+        count = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module.in_features % BLOCK_SIZE == 0:
+                if module.weight.device.type != "cpu" or module.weight.dtype != torch.float32:
+                    raise ValueError("quantize_cpu: the head must be float32 on the CPU")
+                quant = QuantizedWeight.from_float(module.weight, qtype)
+                module.weight.copy_(quant.dequantize())
+                module.quant = quant
+                module.activation_quant = "q8"
+                module.quant_max_rows = HEAD_QUANT_MAX_ROWS
+                quant.int8_codes()  # the int8 kernel's layout, built now rather than on the first draft
+                count += 1
+        return count
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden_size]
         table = self.embed_tokens if self.embed_tokens is not None else self.target_embed
-        return table(token_ids)
+        embeds = table(token_ids)
+        if self.mask_embedding is None:
+            return embeds
+        is_mask = (token_ids == self.config.mask_token_id).unsqueeze(-1)  # [n, 1]
+        return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
 
     def fuse(
         self,

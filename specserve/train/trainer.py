@@ -54,8 +54,9 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
              device: torch.device, target_lm_head: torch.Tensor, target_embed: torch.Tensor,
              gen: torch.Generator) -> EagleHead:
     """A head shaped for the target: ``cfg.num_layers`` Llama layers of the target's width, the draft vocabulary
-    ``draft_ids``; lm_head rows start from the target's LM head rows of those ids, P-EAGLE's embedding from
-    the target's (only the mask token's row is trained), the mask feature from zero."""
+    ``draft_ids``; lm_head rows start from the target's LM head rows of those ids. Both heads embed with the
+    target's table (not part of the head); P-EAGLE's mask token has a learned row of its own (``mask_embedding``,
+    starting from the target's row of that id) and its mask feature starts from zero."""
     t = target_config
     parallel = cfg.method == "peagle"
     layer = head_layer_config(t, cfg.num_layers, "eagle-head")
@@ -63,7 +64,7 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
         layer = dataclasses.replace(layer, intermediate_size=cfg.head_intermediate_size)
     hc = EagleHeadConfig(layer=layer, target_hidden_size=t.hidden_size,
                          draft_vocab_size=len(draft_ids), aux_layer_ids=head_aux_layer_ids(t.num_hidden_layers),
-                         has_embedding=parallel,
+                         has_embedding=False, mask_embedding=parallel,
                          parallel=parallel, mask_token_id=_mask_token_id(t) if parallel else None,
                          num_spec_tokens=cfg.num_spec_tokens if parallel else 5)
     head = build_head(hc, max_position, torch.float32, device)
@@ -71,11 +72,8 @@ def new_head(target_config: ModelConfig, cfg: TrainDraftConfig, draft_ids: torch
     with torch.no_grad():
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
         head.lm_head.weight.copy_(target_lm_head[draft_ids.to(target_lm_head.device)].float())
-        if head.embed_tokens is not None:
-            head.embed_tokens.weight.copy_(target_embed.float())
-            learned = torch.zeros(t.vocab_size, 1, device=device)
-            learned[hc.mask_token_id] = 1
-            head.embed_tokens.weight.register_hook(lambda g: g * learned)  # only the mask row learns
+        if head.mask_embedding is not None:
+            head.mask_embedding.copy_(target_embed[hc.mask_token_id].float())
         if head.mask_hidden is not None:
             head.mask_hidden.zero_()
     head.set_ops(TrainOps())

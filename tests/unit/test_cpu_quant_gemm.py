@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.config import EngineConfig
 from specserve.layers.quant_cpu import (
@@ -239,3 +241,33 @@ def test_config_validates_cpu_activation_quant() -> None:
         EngineConfig(cpu_activation_quant="int8")
     with pytest.raises(ValueError, match="^cpu_activation_quant: needs quantized_cpu_kernels"):
         EngineConfig(cpu_activation_quant="q8", quantized_cpu_kernels=False)
+
+
+# ---- quantizing float weights (QuantizedWeight.from_float: an EAGLE head's projections on CPU) ------------------
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), groups=st.integers(1, 6), scale=st.floats(0.01, 100.0), seed=st.integers(0, 2**16),
+       outlier=st.booleans())
+def test_from_float_q8_0_stays_within_half_a_step_per_block(rows, groups, scale, seed, outlier) -> None:
+    """Q8_0 of a float weight: each weight comes back within ~half a quantization step (max|w| / 127 of its block,
+    plus the f16 rounding of that step), whatever the weights' scale (steps in f16's normal range: blocks with
+    max|w| >= ~8e-3), also with one outlier per row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, groups * 32, generator=g) * scale
+    if outlier:
+        w[:, 0] *= 50
+    q = QuantizedWeight.from_float(w, "q8_0")
+    assert (q.qtype, q.shape) == ("q8_0", (rows, groups * 32))
+    deq = q.dequantize()
+    step = w.reshape(rows, groups, 32).abs().amax(dim=-1, keepdim=True) / 127  # [rows, groups, 1]
+    err = (deq - w).reshape(rows, groups, 32).abs()
+    assert bool((err <= 0.5 * step * (1 + 127 * 2**-10) + 1e-30).all()), float((err / step).max())
+
+
+def test_from_float_q8_0_runs_in_the_kernel_like_its_dequantized_weight(kernel) -> None:
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(300, 576, generator=g), torch.randn(5, 576, generator=g)
+    q = QuantizedWeight.from_float(w, "q8_0")
+    assert_matmul_close(quant_linear(x, q), x, q.dequantize())
+    with pytest.raises(ValueError, match="in_features"):
+        QuantizedWeight.from_float(torch.randn(4, 40), "q8_0")

@@ -16,6 +16,7 @@ from specserve.layers.attention import TorchAttentionBackend, build_attention_me
 from specserve.sampling import SamplingParams
 from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.eagle_checkpoint import dummy_head, head_config_from_json, load_eagle_head, save_speculators
+from specserve.spec.eagle_head import HEAD_QUANT_MAX_ROWS
 from specserve.spec.peagle import PEagleProposer
 from tests.tiny import prompts, tiny_config, tiny_engine
 
@@ -71,6 +72,41 @@ def test_speculators_round_trip_gives_the_same_drafts(tmp_path) -> None:
         engine.generate(prompts([5, 17, 9]), GREEDY)
         runs.append([d for _, _, d in drafts])
     assert runs[0] == runs[1] and len(runs[0]) > 10
+
+
+def test_peagle_mask_embedding_forms(tmp_path) -> None:
+    """A P-EAGLE head on the target's table stores only its mask token's learned row (``mask_embedding``), never a
+    copy of the table; it embeds exactly as a head with its own table holding that row; a checkpoint with neither
+    (a head that shares the target's table outright) loads and embeds the mask token with the target's row."""
+    engine = tiny_engine()
+    table = engine.runner.model.embed_tokens
+    head = make_head(parallel=True)
+    head.target_embed = table
+    save_speculators(head, tmp_path / "compact")
+    weights = load_file(str(tmp_path / "compact" / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and weights["mask_embedding"].shape == (tiny_config().hidden_size,)
+    mask_id = head.config.mask_token_id
+    ids = torch.tensor([3, mask_id, 5, mask_id])
+    with torch.inference_mode():
+        got = head.embed(ids)
+    assert torch.equal(got[[0, 2]], table(ids[[0, 2]])) and torch.equal(got[1], head.mask_embedding)
+    full = make_head(parallel=True, has_embedding=True, mask_embedding=False)
+    with torch.no_grad():
+        full.embed_tokens.weight.copy_(table.weight)
+        full.embed_tokens.weight[mask_id] = head.mask_embedding
+    with torch.inference_mode():
+        assert torch.equal(full.embed(ids), got)
+    del weights["mask_embedding"]
+    (tmp_path / "shared").mkdir()
+    save_file(weights, str(tmp_path / "shared" / "model.safetensors"))
+    (tmp_path / "shared" / "config.json").write_text((tmp_path / "compact" / "config.json").read_text())
+    shared = load(tmp_path / "shared")
+    assert shared.mask_embedding is None and shared.config.parallel
+    shared.target_embed = table
+    with torch.inference_mode():
+        assert torch.equal(shared.embed(ids), table(ids))
+    with pytest.raises(ValueError, match="mask_embedding"):
+        make_head(parallel=False, mask_embedding=True)
 
 
 def test_specforge_flat_checkpoint_loads(tmp_path) -> None:
@@ -186,7 +222,9 @@ def reference_drafts(target, head, tokens: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("budget", [512, 7])
 def test_incremental_drafts_equal_the_from_scratch_reference(parallel: bool, budget: int) -> None:
     method = "peagle" if parallel else "eagle3"
-    engine = tiny_engine(spec=SpecConfig(method=method, model="dummy", num_spec_tokens=4),
+    # float32 head weights and activations: the reference runs the whole sequence at once, the engine a few rows a
+    # step, and a CPU head's default int8 activations (head_cpu_quant) round differently by row count
+    engine = tiny_engine(spec=SpecConfig(method=method, model="dummy", num_spec_tokens=4, head_cpu_quant="none"),
                          max_num_batched_tokens=budget)
     proposer = engine.proposers[method]
     assert isinstance(proposer, PEagleProposer if parallel else Eagle3Proposer)
@@ -266,3 +304,38 @@ def test_draft_graphs_follow_the_target_graphs_and_share_their_pool(monkeypatch)
         engine.config.cuda_graphs = CudaGraphConfig(draft_steps=draft_steps)
         engine._setup_draft_graphs(engine.config, engine.runner.model)
     assert len(calls) == 1 and calls[0][1] == {"capture": True, "pool": pool}
+
+
+# ---- the head on CPU from 8-bit blocks (SpecConfig.head_cpu_quant) ---------------------------------------------
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_cpu_head_runs_from_q8_0_blocks_of_its_own_weights(method: str) -> None:
+    """By default a CPU head's projections hold Q8_0 blocks whose dequantized values are the layer's weight (so the
+    block kernel and the fp32 path of larger row counts compute one function), the engine's greedy output is the
+    plain one, and "none" leaves the float weights alone."""
+    from specserve.layers.linear import Linear
+    from specserve.layers.quant_cpu import load_extension
+    assert load_extension() is not None
+    want = [r.output_ids for r in tiny_engine().generate(prompts([5, 17, 3]), GREEDY)]
+    heads = {}
+    for quant in ("q8_0", "none"):
+        engine = tiny_engine(spec=SpecConfig(method=method, model="dummy", num_spec_tokens=3, head_cpu_quant=quant))
+        assert [r.output_ids for r in engine.generate(prompts([5, 17, 3]), GREEDY)] == want
+        heads[quant] = engine.proposers[method].head
+    linears = {n: m for n, m in heads["q8_0"].named_modules() if isinstance(m, Linear)}
+    assert {"fc", "lm_head", "layers.0.self_attn.qkv_proj", "layers.0.mlp.down_proj"} <= set(linears)
+    for name, module in linears.items():
+        assert module.quant is not None and module.quant.qtype == "q8_0", name
+        assert (module.activation_quant, module.quant_max_rows) == ("q8", HEAD_QUANT_MAX_ROWS), name
+        assert torch.equal(module.weight, module.quant.dequantize()), name
+        fp32 = heads["none"].get_submodule(name)
+        assert fp32.quant is None and not torch.equal(fp32.weight, module.weight), name  # same seed, rounded
+        blocks = fp32.weight.reshape(fp32.weight.shape[0], -1, 32)  # [out, groups, 32]
+        step = blocks.abs().amax(-1, keepdim=True) / 127  # half a step, plus the f16 rounding of the step
+        err = (module.weight.reshape(blocks.shape) - blocks).abs()
+        assert bool((err <= 0.5 * step * (1 + 127 * 2**-10)).all()), name
+
+
+def test_head_cpu_quant_is_validated() -> None:
+    with pytest.raises(ValueError, match="head_cpu_quant"):
+        SpecConfig(method="eagle3", model="dummy", head_cpu_quant="q4_k")

@@ -265,9 +265,12 @@ def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path, method: str) -
     trainer.gen.manual_seed(0)
     after = sum(float(x.detach()) for x in trainer._loss(batch, train=False)[0])
     assert after < 0.9 * before
-    if method == "peagle":  # only the mask token's embedding row moved
-        moved = (trainer.head.embed_tokens.weight - engine.runner.model.embed_tokens.weight).abs().sum(-1).nonzero()
-        assert moved.flatten().tolist() == [trainer.head.config.mask_token_id]
+    target_embed = engine.runner.model.embed_tokens.weight
+    assert trainer.head.embed_tokens is None and trainer.head.target_embed.weight is target_embed  # not trained
+    assert not any(n.startswith(("embed_tokens", "target_embed")) for n in trainer.head_state())
+    if method == "peagle":  # the mask token's own row learned, away from the target's row it started from
+        mask_id = trainer.head.config.mask_token_id
+        assert not torch.allclose(trainer.head.mask_embedding, target_embed[mask_id])
 
 
 def test_fit_resumes_from_its_checkpoint(tmp_path) -> None:

@@ -60,6 +60,8 @@ class QuantizedWeight:
     m: torch.Tensor | None = None
     # the codes in the int8-activation kernel's layout, built on first use (``int8_codes()``)
     _int8_codes: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # activation_quant -> (kernel function, its arguments after x), bound on first use (``kernel()``)
+    _kernels: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -169,6 +171,25 @@ class QuantizedWeight:
             self._int8_codes = q4_1_int8_layout(self.qs) if self.qtype == "q4_1" else q8_0_int8_layout(self.qs)
         return self._int8_codes
 
+    def kernel(self, activation_quant: ActivationQuant = "none") -> tuple:
+        """``(fn, args)``: ``fn(x, *args)`` is ``x @ dequantize().T`` for a 2D contiguous float32 x, taking x as
+        ``activation_quant`` says. Bound once: a decode step calls it for every projection of every layer."""
+        bound = self._kernels.get(activation_quant)
+        if bound is None:
+            ext = load_extension()
+            if ext is None:
+                raise RuntimeError("the quantized CPU kernel is unavailable (see the log); keep fp32 weights instead")
+            if activation_quant not in ACTIVATION_QUANTS:
+                raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
+            if activation_quant == "none":
+                bound = (ext.q4_1_gemm if self.qtype == "q4_1" else ext.q8_0_gemm), self.tensors
+            elif self.qtype == "q4_1":
+                bound = ext.q4_1_gemm_q8, (self.int8_codes(), self.d, self.m)
+            else:
+                bound = ext.q8_0_gemm_q8, (self.int8_codes(), self.d)
+            self._kernels[activation_quant] = bound
+        return bound
+
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         """Reference dequantization in plain torch; bit-identical to ``gguf.quants.dequantize``."""
         if self.qtype == "q4_1":
@@ -211,22 +232,16 @@ def quant_linear(
 ) -> torch.Tensor:  # [num_rows, out_features]
     """``F.linear(x, weight.dequantize(), bias)`` computed from the blocks; needs ``load_extension()``.
     ``activation_quant="q8"`` quantizes x per block of 32 to int8 first (see the module docstring)."""
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError("the quantized CPU kernel is unavailable (see the log); keep fp32 weights instead")
-    if activation_quant not in ACTIVATION_QUANTS:
-        raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
-    if activation_quant == "none":
-        y = (ext.q4_1_gemm if weight.qtype == "q4_1" else ext.q8_0_gemm)(x2, *weight.tensors)
-    elif weight.qtype == "q4_1":
-        y = ext.q4_1_gemm_q8(x2, weight.int8_codes(), weight.d, weight.m)
+    fn, args = weight.kernel(activation_quant)
+    if x.dim() == 2 and x.dtype == torch.float32:  # the decode path: no reshape or cast (the kernel checks shapes)
+        y = fn(x, *args)
     else:
-        y = ext.q8_0_gemm_q8(x2, weight.int8_codes(), weight.d)
+        lead = x.shape[:-1]
+        y = fn(x.reshape(-1, weight.in_features).to(torch.float32).contiguous(), *args)
+        y = y.reshape(*lead, weight.out_features).to(x.dtype)
     if bias is not None:
         y.add_(bias)
-    return y.reshape(*lead, weight.out_features).to(x.dtype)
+    return y
 
 
 def quantize_q8_reference(

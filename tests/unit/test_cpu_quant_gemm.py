@@ -97,6 +97,10 @@ def test_bias_leading_dims_and_threads(kernel, qtype):
         assert torch.equal(quant_linear(x, w, bias), y)  # each output is computed by one thread: same sums
     finally:
         torch.set_num_threads(threads)
+    strided = torch.randn(10, 128)[:, ::2]  # 2D float32 takes the direct path: strides are the kernel's to handle
+    for act in ("none", "q8"):
+        assert torch.equal(quant_linear(strided, w, None, act), quant_linear(strided.contiguous(), w, None, act))
+    assert quant_linear(x.double(), w, bias).dtype == torch.float64
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -98,7 +98,8 @@ class ServingMetrics:
             labels, registry=reg).labels(model_name)
         self._spec_draft_cap = Gauge(
             "specserve_spec_draft_cap", "Adaptive speculation: the cap on drafts per request chosen for the "
-            "next step (-1: no cap, each request drafts its num_spec_tokens). Absent when the policy is off.",
+            "next step (-1: no cap, each request drafts its num_spec_tokens). Absent when the policy is off or no "
+            "request is running.",
             labels, registry=reg)
 
         self._prompt_tokens = Counter(
@@ -171,8 +172,10 @@ class ServingMetrics:
         self._num_running.set(stats.num_running)
         self._num_waiting.set(stats.num_waiting)
         self._kv_cache_usage.set(stats.kv_cache_usage)
-        if stats.spec_draft_cap is not None:
+        if stats.spec_draft_cap is not None and stats.num_running:
             self._spec_draft_cap.labels(self.model_name).set(stats.spec_draft_cap)
+        elif stats.spec_draft_cap is not None:  # idle: no cap is in force, so no value (not the last busy one)
+            self._spec_draft_cap.remove(self.model_name)
         if stats.num_prompt_tokens:
             self._prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

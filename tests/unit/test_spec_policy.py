@@ -129,7 +129,8 @@ def test_the_cap_bounds_every_requests_drafts(plain, cap) -> None:
 
 def test_the_cap_is_published_as_a_gauge() -> None:
     """Each step's StepStats carries the cap chosen for the next step (-1: no cap), and /metrics shows it as
-    ``specserve_spec_draft_cap``; with the policy off the field is None and the series is absent."""
+    ``specserve_spec_draft_cap``; with the policy off the field is None and the series is absent, and so it is
+    once a step leaves nothing running (not the last busy step's cap, frozen)."""
     from prometheus_client import CollectorRegistry
 
     from specserve.server.metrics import ServingMetrics
@@ -158,7 +159,13 @@ def test_the_cap_is_published_as_a_gauge() -> None:
     metrics = ServingMetrics("m", registry=registry)
     metrics.record_step(off.metrics.steps[-1])
     assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) is None
+    busy = next(s for s in reversed(engine.metrics.steps) if s.num_running)
+    metrics.record_step(busy)
+    assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) == 0
+    assert engine.metrics.steps[-1].num_running == 0  # the last step finished every request: the cap goes away
     metrics.record_step(engine.metrics.steps[-1])
+    assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) is None
+    metrics.record_step(busy)
     assert registry.get_sample_value("specserve_spec_draft_cap", {"model_name": "m"}) == 0
 
 

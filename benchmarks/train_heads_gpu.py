@@ -248,7 +248,9 @@ def pack(reports: dict, parts: str | None = None) -> None:
     -> /tmp/work/bundle-<names>.tar -> $OUT/<names>.tar.NN, 15 MB parts. At most 64 MiB comes back from one call: a
     bundle larger than that (a P-EAGLE head of 2-4 wide layers is 87-133 MB) comes back over several calls,
     ``parts`` "A:B" writing parts A..B-1 now and ``send_parts`` the rest in the next calls (the warm machine
-    keeps /tmp/work)."""
+    keeps /tmp/work). Both heads together (EAGLE-3 64 MB + a 2-layer P-EAGLE 4x wide, 87 MB) make a 151 MB bundle of
+    10 parts, four a call (64 MiB comes back at most): ``pack --pack-parts 0:4``, ``send --pack-parts 4:8``, ``send
+    --pack-parts 8:10``; here ``cat`` the parts in order and untar (checked on CPU with a SmolLM2-shaped head)."""
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "-".join(reports)
     bundle = WORK / f"bundle-{stem}"  # per stem: two training processes may pack side by side

@@ -27,7 +27,7 @@ def build_proposers(config: EngineConfig, target, target_config: ModelConfig, nu
                                                 device, config.seed)
     elif spec.method in ("eagle3", "peagle"):
         from specserve.spec.eagle3 import load_eagle_proposer
-        head_quant = spec.head_cpu_quant if device.type == "cpu" and config.quantized_cpu_kernels else "none"
+        head_quant = spec.head_cpu_quant if config.quantized_cpu_kernels else "none"  # CPU only: the loader checks
         proposers[spec.method] = load_eagle_proposer(spec.method, spec.model, target, target_config, draft_blocks,
                                                      config.cache.block_size, device, config.seed, head_quant)
     return proposers

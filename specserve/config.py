@@ -261,7 +261,8 @@ class TrainDraftConfig:
     seed: int = 0
     # a trained head (speculators directory) to start from instead of random weights: its weights and draft
     # vocabulary are kept (a larger draft_vocab_size adds the most generated other tokens, never drops one);
-    # method, num_layers and head_intermediate_size must build the same head, except that a P-EAGLE run may start
+    # method, num_layers and head_intermediate_size must build the same head (a larger head_intermediate_size
+    # widens the MLPs, the added units starting switched off), except that a P-EAGLE run may start
     # from an EAGLE-3 head of the same width (its layers, fc and LM head; further layers start as the identity)
     init_head: str | None = None
 

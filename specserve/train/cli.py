@@ -29,9 +29,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-head", default=None,
                    help="start from this trained head directory (speculators format: its weights and draft "
                         "vocabulary, widened with the most generated other tokens when --draft-vocab-size is "
-                        "larger; --method, --num-layers, --head-intermediate-size must match it, except that a "
-                        "P-EAGLE run may start from an EAGLE-3 head of the same width: its layers, fc and LM head, "
-                        "further layers starting as the identity)")
+                        "larger; --method and --num-layers must match it, --head-intermediate-size must match it or "
+                        "be larger (added MLP units start switched off); a P-EAGLE run may also start from an "
+                        "EAGLE-3 head: its layers, fc and LM head, further layers starting as the identity)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)

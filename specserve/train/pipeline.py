@@ -164,6 +164,7 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
     trainer = Trainer(model, model_config, cfg, draft_ids, device, out, progress)
     report["log"] = trainer.fit(train, held)
     report["best_step"] = trainer.best_step
+    report["skipped_batches"] = trainer.skipped_batches
     report["held_out"] = trainer.evaluate(held) if held else None
     report["files"] = export_head(trainer.head, out, target, verifier_architecture=model_config.architecture)
     report["seconds"] = time.perf_counter() - t0

@@ -364,6 +364,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
         self.best_step: int | None = None  # the step whose head ``fit`` kept, when held-out estimates ran
+        self.skipped_batches = 0  # batches dropped by ``fit`` after running out of GPU memory
         self.progress = progress
         self.autocast = device.type == "cuda"
 
@@ -375,6 +376,7 @@ class Trainer:
         mine = self.head.state_dict()
         if trained["d2t"].shape != mine["d2t"].shape:
             trained = self._widen_lm_head(path, trained, mine)
+        trained = self._widen_mlps(trained, mine)
         if self.cfg.method == "peagle" and "mask_hidden" not in trained:
             trained = self._eagle3_into_peagle(trained, mine)
         wrong = sorted({k for k in mine if k not in trained or trained[k].shape != mine[k].shape} | (trained.keys()
@@ -405,6 +407,30 @@ class Trainer:
         lm.mul_(scale)
         lm[rows] = trained["lm_head.weight"]
         return {**trained, "lm_head.weight": lm, "d2t": mine["d2t"]}
+
+    @staticmethod
+    def _widen_mlps(trained: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``trained`` with this run's wider MLPs (``head_intermediate_size`` larger than the trained head's), the
+        head computing exactly the same function: each MLP keeps its trained units, the added gate and up rows
+        start as a fresh head's, and the added ``down_proj`` columns start at zero, so the added units contribute
+        nothing until training moves them (their ``down_proj`` columns get gradients at once, and then their gate
+        and up rows). A narrower MLP than the trained one is left for the shape check to refuse.
+
+            trained I = 2, this run's I = 3 (gate_up rows [g0 g1 u0 u1] -> [g0 g1 G2 u0 u1 U2], G2 and U2 fresh;
+            down_proj columns [d0 d1] -> [d0 d1 0])
+        """
+        out = dict(trained)
+        for name, value in mine.items():
+            if not name.endswith("mlp.gate_up_proj.weight") or name not in trained:
+                continue
+            old, new = trained[name].shape[0] // 2, value.shape[0] // 2
+            down = name.replace("gate_up_proj", "down_proj")
+            if new <= old or trained[name].shape[1] != value.shape[1] or down not in trained:
+                continue
+            gate, up = trained[name].split(old)
+            out[name] = torch.cat([gate, value[old:new], up, value[new + old:]])
+            out[down] = torch.cat([trained[down], torch.zeros_like(mine[down][:, old:])], dim=1)
+        return out
 
     def _eagle3_into_peagle(self, trained: dict[str, torch.Tensor],
                             mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -492,7 +518,19 @@ class Trainer:
                 order_epoch, order = epoch, make_batches(samples, cfg.max_seq_len, cfg.max_batch_tokens,
                                                          cfg.seed + epoch)
             batch = collate([samples[i] for i in order[idx]], cfg.max_seq_len, self.device)
-            stats = self.train_step(batch, _lr_at(self.step, total, cfg))
+            try:
+                stats = self.train_step(batch, _lr_at(self.step, total, cfg))
+            except torch.OutOfMemoryError:
+                # a batch of unusually many rows (short sequences: more anchors per token) did not fit: drop it
+                # and go on rather than lose the run; the steps count and the schedule are not advanced
+                del batch
+                self.opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                self.skipped_batches += 1
+                if self.skipped_batches > 100:
+                    raise
+                order = order[:idx] + order[idx + 1:] + order[idx:idx + 1]  # try it last this epoch
+                continue
             done = self.step - start_step
             if cfg.max_train_seconds and done == 5:
                 warm = time.perf_counter()  # the first steps pay for allocation and kernel selection

@@ -22,7 +22,7 @@ from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, la
 from specserve.train.data import conversation_from_record, read_conversations, split_held_out
 from specserve.train.generate import Sample, load_samples, save_samples
 from specserve.train.pipeline import export_head
-from specserve.train.trainer import Trainer, _lr_at, _shift, _soft_ce, collate, target_outputs
+from specserve.train.trainer import Trainer, _lr_at, _shift, _soft_ce, collate, make_batches, target_outputs
 from specserve.train.vocab import coverage, d2t_t2d, draft_vocab, extend_vocab, token_counts
 from tests.tiny import prompts, tiny_engine
 
@@ -534,6 +534,64 @@ def test_init_head_widens_the_draft_vocabulary(tmp_path) -> None:
         narrow = torch.cat([old[1:], torch.tensor([1, 3])]).sort().values  # same size + 1, token 0 dropped
         Trainer(engine.runner.model, engine.model_config, dataclasses.replace(cfg, draft_vocab_size=len(narrow)),
                 narrow, torch.device("cpu"), tmp_path / "n", progress=False)
+
+
+def test_fit_drops_a_batch_that_runs_out_of_memory(tmp_path, monkeypatch) -> None:
+    """A batch that runs out of GPU memory is tried again at the end of its epoch instead of ending the run:
+    every planned step still runs, each batch once; a run where nothing fits still fails."""
+    trainer, engine = tiny_trainer("eagle3", tmp_path / "run", epochs=1.0, max_batch_tokens=96)
+    samples = greedy_samples(engine, 8)
+    planned = make_batches(samples, trainer.cfg.max_seq_len, trainer.cfg.max_batch_tokens, trainer.cfg.seed)
+    assert len(planned) >= 3
+    real, seen = trainer.train_step, []
+
+    def flaky(batch, lr):
+        seen.append(tuple(batch.tokens.shape))
+        if len(seen) == 2:
+            raise torch.OutOfMemoryError("simulated")
+        return real(batch, lr)
+
+    monkeypatch.setattr(trainer, "train_step", flaky)
+    trainer.fit(samples)
+    assert trainer.step == len(planned) and trainer.skipped_batches == 1
+    assert len(seen) == len(planned) + 1 and seen[-1] == seen[1]  # the dropped batch ran last
+    broke, _ = tiny_trainer("eagle3", tmp_path / "broke", epochs=1.0, max_batch_tokens=96)
+    monkeypatch.setattr(broke, "train_step", lambda batch, lr: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    with pytest.raises(torch.OutOfMemoryError):
+        broke.fit(samples)
+    assert broke.step == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_init_head_widens_the_mlp_without_changing_the_head(tmp_path, method: str) -> None:
+    """A warm start with a wider MLP (``head_intermediate_size`` above the trained head's): the trained units keep
+    their gate / up rows and down_proj columns, the added down_proj columns are zero, so the head scores every
+    sample exactly as before; training then switches the added units on. A narrower MLP is refused."""
+    layers = 1 if method == "eagle3" else 2
+    width = tiny_engine().model_config.intermediate_size
+    trainer, engine = tiny_trainer(method, tmp_path / "first", num_layers=layers, epochs=1.0)
+    samples = greedy_samples(engine, 6)
+    trainer.fit(samples)
+    export_head(trainer.head, tmp_path / "head", "tiny", dtype=torch.float32)
+    wide, _ = tiny_trainer(method, tmp_path / "wide", num_layers=layers, epochs=1.0, head_intermediate_size=3 * width,
+                           init_head=str(tmp_path / "head"))
+    got, want = wide.head_state(), trainer.head_state()
+    for i in range(layers):
+        gate_up, down = f"layers.{i}.mlp.gate_up_proj.weight", f"layers.{i}.mlp.down_proj.weight"
+        assert got[gate_up].shape[0] == 6 * width and got[down].shape[1] == 3 * width
+        old_gate, old_up = want[gate_up].split(width)
+        assert torch.equal(got[gate_up][:width], old_gate) and torch.equal(got[gate_up][3 * width:4 * width], old_up)
+        assert got[gate_up][width:3 * width].abs().sum() > 0  # the added units' rows are not zero...
+        assert torch.equal(got[down][:, :width], want[down]) and not got[down][:, width:].any()  # ...their output is
+    for name in want.keys() - {n for n in want if ".mlp." in n}:
+        assert torch.equal(got[name], want[name]), name
+    assert wide.evaluate(samples[:3], max_k=3) == trainer.evaluate(samples[:3], max_k=3)
+    wide.fit(samples)
+    assert wide.head_state()["layers.0.mlp.down_proj.weight"][:, width:].abs().sum() > 0
+    narrow_width = max(1, width // 2)
+    with pytest.raises(ValueError, match="init_head"):
+        tiny_trainer(method, tmp_path / "narrow", num_layers=layers, head_intermediate_size=narrow_width,
+                     init_head=str(tmp_path / "head"))
 
 
 def test_peagle_starts_from_a_trained_eagle3_head(tmp_path) -> None:

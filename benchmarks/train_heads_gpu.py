@@ -125,6 +125,8 @@ def train(args) -> None:
 
     if args.name and not (args.eagle3_only or args.peagle_only):
         raise SystemExit("--name: one head per name; add --eagle3-only or --peagle-only")
+    if args.memory_fraction:  # several training processes share the GPU: none may take the others' memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     gguf = join_gguf()
     data = STAGE / "data"
     prompts = [str(data / s) for s in TRAIN_SOURCES]
@@ -326,7 +328,8 @@ def evaluate(args) -> None:
     from specserve.sampling import SamplingParams
     from specserve.spec.params import SpecParams
 
-    engine, ids = eval_engine(args, {"eagle3": WORK / args.eagle3_dir, "peagle": WORK / args.peagle_dir})
+    candidates = args.eagle3_dir
+    engine, ids = eval_engine(args, {"eagle3": WORK / candidates[0], "peagle": WORK / args.peagle_dir})
     with gzip.open(STAGE / "data/mt_bench/question.jsonl.gz", "rt") as f:
         categories = [json.loads(line)["category"] for line in f if line.strip()]  # eval_prompts' order
     proposers = engine.proposers
@@ -334,16 +337,9 @@ def evaluate(args) -> None:
     results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0),
                      "num_prompts": {k: len(v) for k, v in ids.items()}, "max_tokens": args.max_tokens,
                      "greedy": True, "results": {}}
-    start = time.perf_counter()
-    order = [("eagle3", 5), ("peagle", 7), ("eagle3", 7)] + [(m, k) for k in (3, 1, 2, 4, 6) for m in
-                                                             ("eagle3", "peagle")] + [("peagle", 5)]
-    order = [(m, k) for m, k in order if m in proposers]
-    for method, k in order:
-        if time.perf_counter() - start > args.budget:
-            results.setdefault("skipped", []).append([method, k])
-            continue
-        t0 = time.perf_counter()
-        flat = [(name, p) for name, ps in ids.items() for p in ps]
+    flat = [(name, p) for name, ps in ids.items() for p in ps]
+
+    def measure(method: str, k: int) -> dict:
         reqs = engine.generate([p for _, p in flat], params, SpecParams(method, k))
         per = {}
         for name in ids:
@@ -352,11 +348,52 @@ def evaluate(args) -> None:
             if name == "mt_bench":  # where MT-Bench lags: writing, roleplay, ... (10 first turns each)
                 per[name]["by_category"] = {c: _acceptance([r for r, rc in zip(rs, categories) if rc == c], k)[
                     "mean_acceptance_length"] for c in dict.fromkeys(categories)}
+        return per
+
+    start = time.perf_counter()
+    if len(candidates) > 1 and "eagle3" in proposers:
+        # several EAGLE-3 heads under /tmp/work: each measured at k = 5, the best on MT-Bench keeps the full table
+        measured = {}
+        for cand in candidates:
+            if cand != candidates[0]:
+                _use_eagle3(engine, WORK / cand)
+            measured[cand] = measure("eagle3", 5)
+            print(f"candidate {cand} k=5: " + ", ".join(f"{n} AL {v['mean_acceptance_length']:.3f}"
+                                                          for n, v in measured[cand].items()), flush=True)
+        best = max(candidates, key=lambda c: measured[c]["mt_bench"]["mean_acceptance_length"])
+        results["candidates_k5"] = measured
+        results["eagle3_dir"] = best
+        if best != candidates[-1]:
+            _use_eagle3(engine, WORK / best)
+        results["results"]["eagle3"] = {"5": measured[best]}
+    order = [("eagle3", 5), ("peagle", 7), ("eagle3", 7)] + [(m, k) for k in (3, 1, 2, 4, 6) for m in
+                                                             ("eagle3", "peagle")] + [("peagle", 5)]
+    order = [(m, k) for m, k in order if m in proposers and str(k) not in results["results"].get(m, {})]
+    for method, k in order:
+        if time.perf_counter() - start > args.budget:
+            results.setdefault("skipped", []).append([method, k])
+            continue
+        t0 = time.perf_counter()
+        per = measure(method, k)
         results["results"].setdefault(method, {})[str(k)] = per
         print(f"{method} k={k}: " + ", ".join(f"{n} AL {v['mean_acceptance_length']:.2f}" for n, v in per.items())
               + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "acceptance.json").write_text(json.dumps(results, indent=2))
+
+
+def _use_eagle3(engine, head_dir: Path) -> None:
+    """Swap the engine's EAGLE-3 proposer for the head in ``head_dir`` (no request in flight), its draft graphs
+    captured afresh into the target graphs' pool."""
+    from specserve.spec.eagle3 import load_eagle_proposer
+
+    old = engine.proposers.pop("eagle3")
+    del old
+    torch.cuda.empty_cache()
+    engine.proposers["eagle3"] = load_eagle_proposer("eagle3", str(head_dir), engine.runner.model,
+                                                     engine.model_config, engine.runner.num_blocks, 16,
+                                                     engine.device)
+    engine._setup_draft_graphs(engine.config, engine.runner.model)
 
 
 def _acceptance(reqs, k: int) -> dict:
@@ -456,7 +493,9 @@ def main() -> int:
     ap.add_argument("--no-pack", action="store_true", help="leave the heads on the machine (a later call packs)")
     ap.add_argument("--pack", nargs="+", default=None, help="pack (send: the parts of) these /tmp/work names")
     ap.add_argument("--pack-parts", default=None, help="pack / send: only 15 MB parts A..B-1 of the bundle (A:B)")
-    ap.add_argument("--eagle3-dir", default="eagle3", help="eval: the EAGLE-3 head under /tmp/work")
+    ap.add_argument("--eagle3-dir", nargs="+", default=["eagle3"],
+                    help="eval: the EAGLE-3 head under /tmp/work; several: each measured at k = 5, the best on "
+                         "MT-Bench measured at every k")
     ap.add_argument("--peagle-dir", default="peagle", help="eval: the P-EAGLE head under /tmp/work")
     ap.add_argument("--peagle-init-head", default=None,
                     help="P-EAGLE: start from this head (repo path or absolute): a P-EAGLE head, or an EAGLE-3 head "
@@ -485,6 +524,8 @@ def main() -> int:
     ap.add_argument("--answers-per-source", default="",
                     help="generate: NAME=N,... answers for conversations of prompt files whose name holds NAME")
     ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--memory-fraction", type=float, default=0.0,
+                    help="train: cap this process's share of GPU memory (several processes training side by side)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--per-file", type=int, default=800)
     ap.add_argument("--max-num-seqs", type=int, default=512)

@@ -38,6 +38,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send as "model" for
 # The EAGLE-3 head trained for the default model (``specserve train-draft``), committed with its model card in the
 # repository's heads/ folder (beside the package in a source checkout / editable install): `make serve`'s drafter.
 DEFAULT_EAGLE3_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct-eagle3"
+# The P-EAGLE head trained for it (2 layers; drafts all tokens in one forward; accepted less often than the EAGLE-3
+# head, see its model card): ``--spec-method peagle --spec-model heads/smollm2-135m-instruct-peagle``.
+PEAGLE_HEAD = DEFAULT_EAGLE3_HEAD.parent / "smollm2-135m-instruct-peagle"
 
 
 def cache_dir() -> Path:

@@ -1,7 +1,8 @@
 """Golden equivalence on the real model: SmolLM2-135M-Instruct (fp32, the production CPU path with the
 quantized kernels) decodes the same greedy tokens with every drafter as without speculation, alone and
 batched, with chunked prefill; SmolLM2 drafting for itself is always accepted; the EAGLE-3 head the repository
-ships (``make serve``'s default drafter) is lossless and accepted far more often than a random head."""
+ships (``make serve``'s default drafter) and its P-EAGLE head are lossless and accepted far more often than a
+random head."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import LLMEngine
-from specserve.models.fetch import DEFAULT_EAGLE3_HEAD
+from specserve.models.fetch import DEFAULT_EAGLE3_HEAD, PEAGLE_HEAD
 from specserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 DRAFTERS = {"ngram": None, "draft": "self", "eagle3": "dummy", "peagle": "dummy",
-            "eagle3-trained": str(DEFAULT_EAGLE3_HEAD)}
+            "eagle3-trained": str(DEFAULT_EAGLE3_HEAD), "peagle-trained": str(PEAGLE_HEAD)}
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +71,14 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(parts, prompt_ids, pl
         assert batched[0].spec_counters.num_accepted_tokens > 0, "the copy prompt was meant to be accepted"
     if method == "draft":
         assert all(r.spec_counters.acceptance_rate == 1.0 for r in batched)
-    if method.startswith("eagle3"):
+    if method.startswith(("eagle3", "peagle")):
         drafts = sum(r.spec_counters.num_drafts for r in batched)
         mean_al = 1 + sum(r.spec_counters.num_accepted_tokens for r in batched) / drafts
-        # a random head is (almost) never accepted; the trained one is (AL 2.9-3.6 at k = 5 on the GPU's
-        # evaluation sets, heads/smollm2-135m-instruct-eagle3/README.md)
-        assert (mean_al >= 1.5) if method == "eagle3-trained" else (mean_al < 1.2), mean_al
+        # a random head is (almost) never accepted; the trained ones are (EAGLE-3: AL 2.9-3.6 at k = 5 on the GPU's
+        # evaluation sets, P-EAGLE 1.8-2.0; their model cards in heads/)
+        # (on these 4 prompts, fp32 CPU, k = 4: EAGLE-3 2.05, P-EAGLE 1.66)
+        floor = {"eagle3-trained": 1.5, "peagle-trained": 1.4}.get(method)
+        assert (mean_al >= floor) if floor else (mean_al < 1.2), mean_al
 
 
 def test_static_draft_chain_drafts_what_the_eager_loop_drafts_on_smollm2(parts, prompt_ids, plain) -> None:

@@ -1,10 +1,13 @@
 """Train and measure the default model's draft heads on the GPU machine (not CI), in device calls that fit its
 limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
 
-    split   (here) cut the cached GGUF into .carry/gN parts (--part-mb) and gather the prompt files and
-            earlier samples into .carry/d. The committed head (64 MB) alone exceeds what a call carries, so
-            every device call runs with heads/ hidden (``benchmarks/device_tree.sh hide``; the tree is then
-            ~4 MB and 49 MB parts fit: two ``stage`` calls); a call that needs the head carries ``heads``
+    split   (here) cut the cached GGUF into .carry/gN parts (--part-mb; 60 fits beside the ~4 MB tree) and
+            gather the prompt files and earlier samples into .carry/d. heads/ (the EAGLE-3 head, 64 MB, and the
+            P-EAGLE head, 87 MB) exceeds what a call carries, so every device call runs with heads/ hidden
+            (``benchmarks/device_tree.sh hide``; two ``stage`` calls); a call that starts from the EAGLE-3 head
+            carries it as an xz tarball (45 MB; 64.3 MB raw + the tree is just over the 64 MiB a call carries):
+            here ``mkdir -p .carry/h; tar -cf - heads/smollm2-135m-instruct-eagle3 | xz -T2 -6 > .carry/h/head.tar.xz``,
+            there ``tar -xJf .carry/h/head.tar.xz`` before ``train --init-head heads/smollm2-135m-instruct-eagle3``
     stage   copy what the call carried (a GGUF part, prompt files) to /tmp/stage; one call per part, back to
             back (the machine is released after ~30 s idle, and /tmp with it)
     generate  samples only (the target's answers to every training prompt), into $OUT/<name> for ``train --data``
@@ -18,6 +21,10 @@ limits (10 minutes a call, 64 MiB carried in, 8 files of 16 MiB back):
 
 Both heads embed with the target's table, which is not part of a head (P-EAGLE keeps only its learned mask-token
 row, ``mask_embedding``), so a head comes back and is committed as trained.
+
+Training processes side by side: each EAGLE-3 process with the 32,768-token draft vocabulary needs more than 43 GiB
+at 10k-token batches (stop 18: three processes capped at 0.31 of the GPU each all ran out of memory); two processes,
+EAGLE-3 at ``--memory-fraction 0.55`` and P-EAGLE at ``0.42``, with 8k-token batches ran.
 
 Before committing heads, ``python tools/submission_size.py``: a stop's commits are rejected whole past 256 MiB of
 diffs, and replacing a 64 MB head counts its old and new bytes; commit each head once, at the end.

@@ -210,6 +210,10 @@ def load_eagle_head(path: str | Path, num_target_layers: int, target_vocab_size:
     config = head_config_from_json(json.loads((path / "config.json").read_text()), num_target_layers,
                                    target_vocab_size, has_embedding="embed_tokens.weight" in state,
                                    mask_embedding="mask_embedding" in state)
+    if "mask_embedding" in state and not config.mask_embedding:  # a row no head of this kind would use
+        kind = "a P-EAGLE head with its own embedding table" if config.parallel else "an EAGLE-3 head"
+        raise ValueError(f"speculative.model: {path} is {kind} but carries mask_embedding, which only a P-EAGLE "
+                         "head on the target's embedding table uses")
     head = build_head(config, max_position, dtype, device)
     load_head_state(head, {k: v.to(device) if k == "d2t" else v.to(device, dtype) for k, v in state.items()})
     return head

@@ -107,6 +107,20 @@ def test_peagle_mask_embedding_forms(tmp_path) -> None:
         assert torch.equal(shared.embed(ids), table(ids))
     with pytest.raises(ValueError, match="mask_embedding"):
         make_head(parallel=False, mask_embedding=True)
+    # a mask_embedding row in a head that would never read it (an EAGLE-3 head; a P-EAGLE head with its own
+    # table) is refused by name rather than dropped
+    eagle = make_head()
+    save_speculators(eagle, tmp_path / "eagle")
+    eagle_weights = load_file(str(tmp_path / "eagle" / "model.safetensors"))
+    row = {"mask_embedding": torch.zeros(tiny_config().hidden_size)}
+    save_file(eagle_weights | row, str(tmp_path / "eagle" / "model.safetensors"))
+    with pytest.raises(ValueError, match="EAGLE-3 head but carries mask_embedding"):
+        load(tmp_path / "eagle")
+    save_speculators(full, tmp_path / "own")
+    own = load_file(str(tmp_path / "own" / "model.safetensors"))
+    save_file(own | row, str(tmp_path / "own" / "model.safetensors"))
+    with pytest.raises(ValueError, match="own embedding table but carries mask_embedding"):
+        load(tmp_path / "own")
 
 
 def test_specforge_flat_checkpoint_loads(tmp_path) -> None:

@@ -256,9 +256,12 @@ def eagle3_loss(head: EagleHead, tgt: TargetOut, batch: Batch, steps: int, decay
 
 
 def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, decay: float,
-                anchors: torch.Tensor, real_loss: bool) -> tuple[torch.Tensor, StepStats]:
+                anchors: torch.Tensor, real_loss: bool,
+                run_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
     """Real entries (draft 1, when ``real_loss``) plus ``num_slots - 1`` mask slots after every anchor
-    (``anchors`` [B, A] int64; -1 = padding) in one forward."""
+    (``anchors`` [B, A] int64; -1 = padding) in one forward. With ``run_lengths`` ([B, A] int64, zeros), also
+    records for every anchor how many leading drafts (the real entry's, then the slots') matched the target's
+    argmax: what a verifier would accept from that anchor's one-pass draft (the held-out AL estimate)."""
     tokens = batch.tokens
     B, T = tokens.shape
     n = B * T
@@ -290,6 +293,9 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
     stats.count.append(int(real_mask.sum()))
     chain_logits = logits[n:].reshape(B, A, S, -1)
     b_idx = torch.arange(B, device=dev)[:, None, None]
+    alive = hit[b_idx[:, :, 0], anc] & valid_anchor  # [B, A] draft 1 of each anchor matched
+    if run_lengths is not None:
+        run_lengths += alive.long()
     label_row = (anc[:, :, None] + 1 + slot).clamp(max=T - 1)  # [B, A, S] row of the target's distribution
     tok_row = anc[:, :, None] + 2 + slot  # the predicted token's position
     in_range = tok_row < T
@@ -302,6 +308,9 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
         hit = (chain_logits[:, :, s].argmax(-1) == arg) & m
         stats.correct.append(int(hit.sum()))
         stats.count.append(int(m.sum()))
+        if run_lengths is not None:
+            alive = alive & hit
+            run_lengths += alive.long()
     stats.loss = float(total.detach())
     return total, stats
 
@@ -593,8 +602,10 @@ class Trainer:
                     runs_all.append(runs[_shift(batch.answer, 2, False)])
                 else:
                     anchors = sample_anchors(batch, cfg.anchors_per_seq, anchor_gen)
+                    runs = torch.zeros_like(anchors)
                     _, stats = peagle_loss(self.head, tgt, batch, min(steps, cfg.num_spec_tokens),
-                                           cfg.step_weight_decay, anchors, real_loss=True)
+                                           cfg.step_weight_decay, anchors, real_loss=True, run_lengths=runs)
+                    runs_all.append(runs[anchors >= 0])
             correct = stats.correct if correct is None else [a + b for a, b in zip(correct, stats.correct)]
             count = stats.count if count is None else [a + b for a, b in zip(count, stats.count)]
         self.head.train()
@@ -602,13 +613,9 @@ class Trainer:
         result = {"acc_per_pos": acc, "count_per_pos": count}
         if runs_all:
             runs = torch.cat(runs_all).float()
-            result["estimated_al"] = {k: 1 + float(runs.clamp(max=k).mean()) for k in range(1, max_k + 1)}
-        else:  # P-EAGLE: the product of per-position accuracies bounds the chain (independence approximation)
-            est, p = {}, 1.0
-            for k in range(1, min(max_k, len(acc)) + 1):
-                p *= acc[k - 1]
-                est[k] = (est.get(k - 1, 1.0)) + p
-            result["estimated_al"] = est
+            max_k = max_k if cfg.method == "eagle3" else min(max_k, cfg.num_spec_tokens)
+            result["estimated_al"] = {k: 1 + float(runs.clamp(max=k).mean()) if runs.numel() else 1.0
+                                      for k in range(1, max_k + 1)}
         return result
 
     # -- checkpoints

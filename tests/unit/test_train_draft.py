@@ -201,6 +201,46 @@ def test_peagle_slots_see_what_inference_sees(tmp_path) -> None:
                 torch.testing.assert_close(chain[a, s], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_peagle_run_lengths_count_each_anchors_leading_matches(tmp_path) -> None:
+    """The P-EAGLE held-out estimate: for every anchor, how many of its one-pass drafts (the real entry's, then the
+    mask slots') match the target's greedy tokens before the first miss, counted by hand from the same forward's
+    logits; ``evaluate`` reports 1 + the mean of those runs capped at k."""
+    from specserve.train.trainer import peagle_loss, sample_anchors
+    trainer, engine = tiny_trainer("peagle", tmp_path, num_layers=2, epochs=3.0)
+    samples = greedy_samples(engine, 6)
+    trainer.fit(samples)  # a trained head: runs of several lengths
+    head = trainer.head.eval()
+    batch = collate(samples[:3], 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    anchors = sample_anchors(batch, 12, torch.Generator().manual_seed(2))
+    runs = torch.zeros_like(anchors)
+    seen: list[torch.Tensor] = []
+    hook = head.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+    with torch.no_grad():
+        peagle_loss(head, tgt, batch, 4, 0.8, anchors, True, run_lengths=runs)
+    hook.remove()
+    B, T = batch.tokens.shape
+    A = anchors.shape[1]
+    real = seen[0][:B * T].argmax(-1).reshape(B, T)
+    chain = seen[0][B * T:].argmax(-1).reshape(B, A, 3)
+    want = torch.zeros_like(runs)
+    for b in range(B):
+        for a, j in enumerate(anchors[b].tolist()):
+            if j < 0:
+                continue
+            drafts = [int(real[b, j])] + chain[b, a].tolist()  # predict tokens j + 2 .. j + 5
+            for s, d in enumerate(drafts):
+                row = j + 1 + s
+                if j + 2 + s >= T or not batch.answer[b, j + 2 + s] or d != int(tgt.argmax[b, row]):
+                    break
+                want[b, a] += 1
+    assert torch.equal(runs, want)
+    assert len(set(want[anchors >= 0].tolist())) >= 2, want  # not all equal: the check can tell runs apart
+    est = trainer.evaluate(samples[:3], max_k=7)["estimated_al"]
+    assert sorted(est) == [1, 2, 3, 4] and list(est.values()) == sorted(est.values())  # k <= num_spec_tokens
+
+
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
 def test_training_predictions_equal_the_engine_proposers_drafts(tmp_path, method: str) -> None:
     """The engine's proposer drafts d1..dk after a prompt; with d1..dk as the 'true' continuation, the training

@@ -1,10 +1,12 @@
-"""Command line: ``specserve serve | fetch-model | convert | bench``."""
+"""Command line: ``specserve serve | fetch-model | convert | convert-head | bench | train-draft``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 from specserve.config import (
     CPU_ACTIVATION_QUANTS,
@@ -174,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="stored dtype")
     conv.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards of this size")
 
+    head = sub.add_parser("convert-head", help="write a P-EAGLE head with a full embedding table (the target's rows "
+                          "and its learned mask-token row), the layout vLLM reads; the drafts are unchanged")
+    head.add_argument("head", help="P-EAGLE head directory (speculators format) with a mask_embedding row")
+    head.add_argument("out", help="output directory")
+    head.add_argument("--target", default="default", help="the head's target: 'default', a .gguf file or an HF "
+                      "directory (its embedding table is written in)")
+    head.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="stored dtype")
+
     from specserve.bench.cli import __doc__ as bench_doc
     from specserve.bench.cli import add_bench_arguments
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (latency, throughput, acceptance, "
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         convert_gguf_to_hf(src, args.out, dtype=getattr(torch, args.dtype), max_shard_bytes=args.max_shard_bytes)
         print(args.out)
         return 0
+    if args.command == "convert-head":
+        return _convert_head(args)
     if args.command == "bench":
         from specserve.bench.cli import main as bench_main
         return bench_main(args, argv)
@@ -219,6 +231,26 @@ def main(argv: list[str] | None = None) -> int:
             args.error(config_error_message(exc))  # exits 2, as for any bad flag
         return _serve(args, config)
     return 2
+
+
+def _convert_head(args: argparse.Namespace) -> int:
+    import torch
+
+    from specserve.models.loader import load_model
+    from specserve.spec.eagle_checkpoint import load_eagle_head, with_embedding_table
+    from specserve.train.pipeline import export_head
+
+    cpu = torch.device("cpu")
+    model, model_config, _ = load_model(args.target, "float32", cpu, 2048)
+    head = load_eagle_head(args.head, model_config.num_hidden_layers, model_config.vocab_size, model.max_position,
+                           torch.float32, cpu)
+    full = with_embedding_table(head, model.embed_tokens.weight)
+    verifier = json.loads((Path(args.head) / "config.json").read_text()).get("speculators_config", {}).get(
+        "verifier", {}).get("name_or_path") or str(args.target)
+    files = export_head(full, Path(args.out), verifier, getattr(torch, args.dtype),
+                        verifier_architecture=model_config.architecture)
+    print(args.out, *files)
+    return 0
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -219,6 +219,34 @@ def load_eagle_head(path: str | Path, num_target_layers: int, target_vocab_size:
     return head
 
 
+@torch.no_grad()
+def with_embedding_table(
+    head: EagleHead,
+    table: torch.Tensor,  # [vocab_size, hidden_size] the target's embedding table
+) -> EagleHead:
+    """A P-EAGLE head on the target's table (its learned mask-token row in ``mask_embedding``) as the same head with
+    its own embedding table: the target's rows, and the learned row at ``mask_token_id``. It drafts exactly as
+    ``head`` does; it is the layout vLLM reads (there the mask token's embedding is a row of ``embed_tokens``), at
+    the cost of a copy of the table (49,152 x 576 for SmolLM2)."""
+    import dataclasses
+    c = head.config
+    if not c.mask_embedding:
+        raise ValueError("convert-head: only a P-EAGLE head with a learned mask row (mask_embedding) and no "
+                         "embedding table of its own needs the target's table written in")
+    if tuple(table.shape) != (c.layer.vocab_size, c.layer.hidden_size):
+        raise ValueError(f"convert-head: the target's embedding table is {tuple(table.shape)}, the head expects "
+                         f"{(c.layer.vocab_size, c.layer.hidden_size)}")
+    weight = head.norm.weight
+    new = build_head(dataclasses.replace(c, has_embedding=True, mask_embedding=False), head.max_position,
+                     weight.dtype, weight.device)
+    state = {k: v for k, v in head.state_dict().items()
+             if k != "mask_embedding" and not k.startswith("target_embed.")}
+    rows = table.to(weight.device, weight.dtype).clone()
+    rows[c.mask_token_id] = head.mask_embedding
+    new.load_state_dict(state | {"embed_tokens.weight": rows})
+    return new
+
+
 def head_layer_config(target: ModelConfig, num_layers: int, name: str) -> ModelConfig:
     """``num_layers`` Llama decoder layers of the target's width, heads and rope, for a head drafting for it."""
     fields = {k: getattr(target, k) for k in ("vocab_size", "hidden_size", "intermediate_size",

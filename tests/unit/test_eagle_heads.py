@@ -15,7 +15,13 @@ from specserve.config import SpecConfig
 from specserve.layers.attention import TorchAttentionBackend, build_attention_metadata
 from specserve.sampling import SamplingParams
 from specserve.spec.eagle3 import Eagle3Proposer
-from specserve.spec.eagle_checkpoint import dummy_head, head_config_from_json, load_eagle_head, save_speculators
+from specserve.spec.eagle_checkpoint import (
+    dummy_head,
+    head_config_from_json,
+    load_eagle_head,
+    save_speculators,
+    with_embedding_table,
+)
 from specserve.spec.eagle_head import HEAD_QUANT_MAX_ROWS
 from specserve.spec.peagle import PEagleProposer
 from tests.tiny import prompts, tiny_config, tiny_engine
@@ -121,6 +127,42 @@ def test_peagle_mask_embedding_forms(tmp_path) -> None:
     save_file(own | row, str(tmp_path / "own" / "model.safetensors"))
     with pytest.raises(ValueError, match="own embedding table but carries mask_embedding"):
         load(tmp_path / "own")
+
+
+def test_peagle_head_with_the_targets_table_written_in_drafts_the_same(tmp_path) -> None:
+    """``with_embedding_table`` (``specserve convert-head``): a P-EAGLE head's learned mask row moves into a full
+    embedding table (the target's rows), the layout vLLM reads; saved and loaded, it proposes exactly the drafts
+    the compact head proposes in the engine. An EAGLE-3 head, or a table of another shape, is refused."""
+    runs = []
+    for form in ("compact", "table"):
+        engine = tiny_engine()
+        table = engine.runner.model.embed_tokens.weight
+        head = make_head(parallel=True)
+        head.mask_embedding.data.normal_(generator=torch.Generator().manual_seed(9))  # unlike the target's row
+        if form == "table":
+            learned = head.mask_embedding.detach().clone()
+            head = with_embedding_table(head, table)
+            assert head.config.has_embedding and head.mask_embedding is None
+            mask_id = head.config.mask_token_id
+            assert torch.equal(head.embed_tokens.weight[mask_id], learned)
+            others = torch.arange(table.shape[0]) != mask_id
+            assert torch.equal(head.embed_tokens.weight[others], table[others])
+        save_speculators(head, tmp_path / form)
+        weights = load_file(str(tmp_path / form / "model.safetensors"))
+        assert ("embed_tokens.weight" in weights) == (form == "table") and ("mask_embedding" in weights) == (
+            form == "compact")
+        loaded = load(tmp_path / form)
+        proposer = PEagleProposer(loaded, engine.runner.model, 256, 4, CPU)
+        engine = tiny_engine(proposers={"peagle": proposer}, spec=SpecConfig(method="peagle", model="given",
+                                                                             num_spec_tokens=3))
+        drafts = record_drafts(proposer)
+        engine.generate(prompts([5, 17, 9]), GREEDY)
+        runs.append([d for _, _, d in drafts])
+    assert runs[0] == runs[1] and len(runs[0]) > 10
+    with pytest.raises(ValueError, match="convert-head"):
+        with_embedding_table(make_head(), table)
+    with pytest.raises(ValueError, match="convert-head.*embedding table"):
+        with_embedding_table(make_head(parallel=True), table[:-1])
 
 
 def test_specforge_flat_checkpoint_loads(tmp_path) -> None:

@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--target", default="default", help="the head's target: 'default', a .gguf file or an HF "
                       "directory (its embedding table is written in)")
     head.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="stored dtype")
+    head.set_defaults(error=head.error)
 
     from specserve.bench.cli import __doc__ as bench_doc
     from specserve.bench.cli import add_bench_arguments
@@ -240,11 +241,16 @@ def _convert_head(args: argparse.Namespace) -> int:
     from specserve.spec.eagle_checkpoint import load_eagle_head, with_embedding_table
     from specserve.train.pipeline import export_head
 
+    if not (Path(args.head) / "config.json").is_file():
+        args.error(f"head: {args.head} is not a head directory (no config.json)")
     cpu = torch.device("cpu")
     model, model_config, _ = load_model(args.target, "float32", cpu, 2048)
-    head = load_eagle_head(args.head, model_config.num_hidden_layers, model_config.vocab_size, model.max_position,
-                           torch.float32, cpu)
-    full = with_embedding_table(head, model.embed_tokens.weight)
+    try:
+        head = load_eagle_head(args.head, model_config.num_hidden_layers, model_config.vocab_size,
+                               model.max_position, torch.float32, cpu)
+        full = with_embedding_table(head, model.embed_tokens.weight)
+    except ValueError as exc:
+        args.error(str(exc))
     verifier = json.loads((Path(args.head) / "config.json").read_text()).get("speculators_config", {}).get(
         "verifier", {}).get("name_or_path") or str(args.target)
     files = export_head(full, Path(args.out), verifier, getattr(torch, args.dtype),

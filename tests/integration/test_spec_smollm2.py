@@ -81,6 +81,33 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(parts, prompt_ids, pl
         assert (mean_al >= floor) if floor else (mean_al < 1.2), mean_al
 
 
+def test_convert_head_writes_the_peagle_head_with_the_targets_table(tmp_path, parts, capsys) -> None:
+    """``specserve convert-head``: the shipped P-EAGLE head with SmolLM2's embedding table written in (the layout
+    vLLM reads): every other tensor unchanged, the mask token's row the learned one, the rest the target's rows
+    (bf16, as stored). An EAGLE-3 head or a directory without a head is refused with exit code 2."""
+    from specserve.cli import main
+    from specserve.spec.eagle_checkpoint import load_eagle_head
+
+    assert main(["convert-head", str(PEAGLE_HEAD), str(tmp_path / "full")]) == 0
+    model, config, _ = parts
+    compact, full = (load_eagle_head(d, config.num_hidden_layers, config.vocab_size, 1024, torch.float32,
+                                     torch.device("cpu")) for d in (PEAGLE_HEAD, tmp_path / "full"))
+    assert full.config.has_embedding and full.mask_embedding is None and compact.mask_embedding is not None
+    a, b = compact.state_dict(), full.state_dict()
+    assert a.keys() - {"mask_embedding"} == b.keys() - {"embed_tokens.weight"}
+    assert all(torch.equal(a[k], b[k]) for k in b.keys() - {"embed_tokens.weight"})
+    mask_id = full.config.mask_token_id
+    table = full.embed_tokens.weight
+    assert torch.equal(table[mask_id], a["mask_embedding"])
+    others = torch.arange(table.shape[0]) != mask_id
+    assert torch.equal(table[others], model.embed_tokens.weight[others].to(torch.bfloat16).float())
+    capsys.readouterr()
+    for head, needle in ((DEFAULT_EAGLE3_HEAD, "mask_embedding"), (tmp_path / "none", "config.json")):
+        with pytest.raises(SystemExit) as exc:
+            main(["convert-head", str(head), str(tmp_path / "out")])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_static_draft_chain_drafts_what_the_eager_loop_drafts_on_smollm2(parts, prompt_ids, plain) -> None:
     """The shipped head's draft steps 2..4 as one padded static forward per round (``spec/draft_graphs.py``, the
     path CUDA graphs capture; eager here): the same drafts, hence the same acceptance counts, as the eager loop."""

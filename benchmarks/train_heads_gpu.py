@@ -394,12 +394,11 @@ def _use_eagle3(engine, head_dir: Path) -> None:
     captured afresh into the target graphs' pool."""
     from specserve.spec.eagle3 import load_eagle_proposer
 
-    old = engine.proposers.pop("eagle3")
-    del old
+    del engine.proposers["eagle3"]
     torch.cuda.empty_cache()
     engine.proposers["eagle3"] = load_eagle_proposer("eagle3", str(head_dir), engine.runner.model,
-                                                     engine.model_config, engine.runner.num_blocks, 16,
-                                                     engine.device)
+                                                     engine.model_config, engine.runner.num_blocks,
+                                                     engine.config.cache.block_size, engine.device)
     engine._setup_draft_graphs(engine.config, engine.runner.model)
 
 

@@ -23,6 +23,7 @@ absent when the draft vocabulary is the target's. With no layer ids anywhere, th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -228,7 +229,6 @@ def with_embedding_table(
     its own embedding table: the target's rows, and the learned row at ``mask_token_id``. It drafts exactly as
     ``head`` does; it is the layout vLLM reads (there the mask token's embedding is a row of ``embed_tokens``), at
     the cost of a copy of the table (49,152 x 576 for SmolLM2)."""
-    import dataclasses
     c = head.config
     if not c.mask_embedding:
         raise ValueError("convert-head: only a P-EAGLE head with a learned mask row (mask_embedding) and no "

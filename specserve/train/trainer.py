@@ -293,8 +293,8 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
     stats.count.append(int(real_mask.sum()))
     chain_logits = logits[n:].reshape(B, A, S, -1)
     b_idx = torch.arange(B, device=dev)[:, None, None]
-    alive = hit[b_idx[:, :, 0], anc] & valid_anchor  # [B, A] draft 1 of each anchor matched
     if run_lengths is not None:
+        alive = hit[b_idx[:, :, 0], anc] & valid_anchor  # [B, A] draft 1 of each anchor matched
         run_lengths += alive.long()
     label_row = (anc[:, :, None] + 1 + slot).clamp(max=T - 1)  # [B, A, S] row of the target's distribution
     tok_row = anc[:, :, None] + 2 + slot  # the predicted token's position

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 
 LOG2E = 1.4426950408889634
 # Query tokens per prefill program, by GQA group size: tiles of about 64 rows (tokens x group heads).
@@ -76,7 +77,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # One program per token: its [num_kv_heads, head_dim] K and V rows go to one cache slot.
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
@@ -164,7 +167,9 @@ def _decode_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # grid: (num_short_seqs, num_kv_heads, num_splits)
     seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -223,7 +228,9 @@ def _combine_splits_kernel(
     num_heads, num_splits, head_dim,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # grid: (num_short_seqs, num_heads, the longest short query): one (token, head) row per program, all of its
     # splits in one load (no loop: every load is in flight at once, so the launch costs one memory round trip).
     # out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m), m = max_s lse_s (empty splits weigh 0).
@@ -272,7 +279,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # grid: (num_tiles, num_kv_heads). Example: chunk of 40 tokens after 100 cached ones, TILE_TOKENS 16 ->
     # tiles first = 0, 16, 32; the tile at 16 holds positions 116..131 and reads keys 0..131 from the cache.
     tile = tl.program_id(0)
@@ -488,7 +497,8 @@ class TritonAttentionBackend:
         _write_kv_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, extra["slot_mapping"], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *cache_strides, num_kv_heads, head_dim,
-            BLOCK_SIZE=block_size, KV_HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM_PAD=head_dim_pad)
+            BLOCK_SIZE=block_size, KV_HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM_PAD=head_dim_pad,
+            **pdl_args(q.device))
 
         block_tables = extra["block_tables"]
         if extra["num_short"]:
@@ -509,13 +519,15 @@ class TritonAttentionBackend:
                 num_heads, num_splits, head_dim, qk_scale,
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad), BLOCK_SIZE=block_size,
                 HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
-                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=2)
+                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=2,
+                **pdl_args(q.device))
             if split:
                 _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](
                     out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"],
                     out.stride(0), out.stride(1), num_heads, num_splits, head_dim,
                     SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM_PAD=head_dim_pad,
-                    num_warps=1 if _next_pow2(num_splits) * head_dim_pad <= 2048 else 4)
+                    num_warps=1 if _next_pow2(num_splits) * head_dim_pad <= 2048 else 4,
+                    **pdl_args(q.device))
 
         tile_tokens = prefill_tile_tokens(group)
         num_tiles, tile_seqs, tile_firsts = extra["prefill_tiles"][tile_tokens]
@@ -528,6 +540,6 @@ class TritonAttentionBackend:
                 head_dim, qk_scale,
                 GROUP=group, TILE_TOKENS=tile_tokens, BLOCK_M=block_m, BLOCK_N=self.block_n,
                 BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, DOT_PRECISION=precision,
-                num_warps=_num_warps(block_m, head_dim_pad), num_stages=2)
+                num_warps=_num_warps(block_m, head_dim_pad), num_stages=2, **pdl_args(q.device))
         return out
 

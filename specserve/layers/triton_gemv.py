@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import BF16_GEMV_TILES, TileConfig
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -50,7 +51,9 @@ def _gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -151,6 +154,6 @@ def gemv_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         EVEN_K=k % block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out

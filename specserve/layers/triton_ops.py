@@ -71,6 +71,7 @@ import triton.language as tl
 
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_gpu import FP8_DTYPE, Fp8Activations, quantize_fp8_activations
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_w8a16 import _fp8_quantize, _fp8_scale
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,7 +112,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,  # next power of two >= hidden_size
     QUANT: tl.constexpr,  # also emit out's e4m3 row and scale (triton_w8a16's fused quantizer's bits)
     WRITE_OUT: tl.constexpr,  # store the activation-dtype output
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # One program normalises BLOCK_ROWS whole rows, each held in registers: one read, one write per element.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK)
@@ -168,7 +171,9 @@ def _silu_and_mul_fp8_kernel(
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK >= intermediate_size: the row stays in registers
     WRITE_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # One program per row: silu_and_mul's output (``_silu_mul``), then the fused quantizer's maths on it. A row
     # wider than BLOCK is computed twice (amax pass, quantize pass): the same operations, so the same values.
     row = tl.program_id(0).to(tl.int64)
@@ -205,7 +210,9 @@ def _silu_and_mul_kernel(
     out_ptr,  # [num_rows, intermediate_size] contiguous
     intermediate_size, stride_in,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # Program (row, column block): silu(gate) * up for BLOCK columns of one row.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -222,7 +229,9 @@ def _rope_kernel(
     HALF: tl.constexpr,  # head_dim // 2
     HALF_PAD: tl.constexpr,  # next power of two >= HALF
     BLOCK_H: tl.constexpr,  # heads per program
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     # Program (token, head block): rotate-half RoPE of BLOCK_H heads of one token, with the token's cos/sin
     # loaded once for all of them. x = [x1 | x2] per head, halves of HALF values:
     #   out1 = x1 * cos1 - x2 * sin1,   out2 = x2 * cos2 + x1 * sin2
@@ -288,7 +297,7 @@ class TritonOps(TorchOps):
             eps, q, scale,
             HAS_RESIDUAL=residual is not None, ROUND_NORMED=x.dtype != torch.float32,
             BLOCK_ROWS=block_rows, BLOCK=block, QUANT=quant is not None, WRITE_OUT=write_out,
-            num_warps=_num_warps(block_rows * block))
+            num_warps=_num_warps(block_rows * block), **pdl_args(x.device))
         return out
 
     def rms_norm(
@@ -328,7 +337,8 @@ class TritonOps(TorchOps):
             return out
         block = min(SILU_BLOCK, _next_pow2(inter))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-            gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=_num_warps(block))
+            gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=_num_warps(block),
+            **pdl_args(gate_up.device))
         return out
 
     def rope_(
@@ -353,7 +363,7 @@ class TritonOps(TorchOps):
         _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             qk, cos, sin, num_heads, qk.stride(0), cos.stride(0), sin.stride(0),
             HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=_num_warps(block_h * half_pad),
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **pdl_args(qk.device))
         return qk
 
     # ---- FP8 activations: the op and the fused quantizer in one launch (see the module docstring) ----------------
@@ -417,5 +427,6 @@ class TritonOps(TorchOps):
         block = min(_next_pow2(inter), SILU_FP8_MAX_BLOCK)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             gate_up, gate_up if out is None else out, x_q, scale, inter, gate_up.stride(0),  # never stored to
-            BLOCK=block, ONE_PASS=block >= inter, WRITE_OUT=write_out, num_warps=_num_warps(block))
+            BLOCK=block, ONE_PASS=block >= inter, WRITE_OUT=write_out, num_warps=_num_warps(block),
+            **pdl_args(gate_up.device))
         return Fp8Activations(x_q, scale, gate_up.dtype, out)

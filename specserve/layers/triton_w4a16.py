@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import W4A16_TILES, TileConfig
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 _MAGIC_BITS = 0x4B000000  # the bits of the float 2^23: OR-ing a 4-bit q into them gives 2^23 + q
@@ -68,7 +69,9 @@ def _w4a16_kernel(
     magic,  # 0x4B000000 (the bits of 2^23), passed at run time: in a register, ptxas fuses mask | magic
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -201,7 +204,7 @@ def w4a16_linear(
         out.stride(0), out.stride(1), _MAGIC_BITS,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out
 

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
@@ -138,7 +139,9 @@ def _w8a16_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
     PRECISION: tl.constexpr, X_MODE: tl.constexpr, FP8_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
+    pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -309,7 +312,7 @@ def w8a16_linear(
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
         X_MODE=x_mode, FP8_DOT=fp8_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out
 
@@ -322,10 +325,12 @@ def _quantize_fp8_rows_kernel(
     scale_ptr,  # [M] fp32 (the [M, 1] scale column)
     K, stride_xm, stride_xk,
     BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
     """One program per row: ``scale = max(amax(|x|) / 448, 1e-12)``, ``q = e4m3(clamp(x / scale, -448, 448))``
     with IEEE division and round-to-nearest-even, as ``quantize_fp8_rows``. ``ONE_PASS``: the row fits one
     tile and stays in registers; otherwise a first pass finds amax and a second re-reads the row (from L2)."""
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * K
@@ -362,5 +367,5 @@ def quantize_fp8_rows_triton(
     block = min(triton.next_power_of_2(max(k, 16)), max_block)
     num_warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
     _quantize_fp8_rows_kernel[(m,)](x, x_q, scale, k, x.stride(0), x.stride(1), BLOCK_K=block,
-                                    ONE_PASS=block >= k, num_warps=num_warps)
+                                    ONE_PASS=block >= k, num_warps=num_warps, **pdl_args(x.device))
     return x_q, scale

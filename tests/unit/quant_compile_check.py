@@ -88,6 +88,8 @@ def compile_launches(launches: list, target: GPUTarget, usage: bool) -> tuple[in
     backend = make_backend(target)
     seen, failures = set(), []
     for fn, args, kwargs in launches:
+        if "USE_PDL" in kwargs:  # recorded on CPU (off); compile what a GPU of this target launches
+            kwargs = {**kwargs, "USE_PDL": target.arch >= 90, "launch_pdl": target.arch >= 90}
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         key = (fn.__name__, str(specialization), str(options))

@@ -82,6 +82,10 @@ def compile_launches(launches: list, target: GPUTarget) -> int:
     seen = set()
     for fn, args, kwargs in launches:
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
+        if "USE_PDL" in kwargs:  # recorded on CPU (off); compile what a GPU of this target launches
+            kwargs["USE_PDL"] = target.arch >= 90
+            kwargs.pop("launch_pdl", None)
+            options["launch_pdl"] = kwargs["USE_PDL"]
         bound = dict(zip(fn.arg_names, args)) | kwargs
         signature, constexprs = {}, {}
         for param in fn.params:

@@ -1,0 +1,126 @@
+"""Programmatic dependent launch (``layers/triton_pdl.py``) on and off, side by side in one run (GPU machine, not
+CI): the target forward + LM head of a step, replayed from the runner's CUDA graph as ``gpu_engine.py`` times it,
+on dummy weights at real shapes. Per case: the median step with PDL off and on (graphs captured afresh for each
+setting, the two settings timed in alternation, ``--rounds`` times each), and whether the logits are bit for bit
+the same both ways (eagerly and from the graphs). Asserts nothing; prints a table and writes JSON.
+
+    python benchmarks/pdl_gpu.py --out $OUT/pdl_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
+from specserve.engine.model_runner import ModelRunner  # noqa: E402
+from specserve.layers import triton_pdl  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+
+# (shape, quantization, batch, query_len): decode steps at batch 1 (bf16, fp8), issue 6's batch-32 decode and
+# verify (8 query tokens), and the default model's shape at batch 1 (decode, and verify of k = 4 drafts)
+CASES = (("llama-3.1-8b", None, 1, 1), ("llama-3.1-8b", "fp8", 1, 1), ("llama-3.1-8b", None, 32, 1),
+         ("llama-3.1-8b", None, 32, 8), ("smollm2-135m", None, 1, 1), ("smollm2-135m", None, 1, 5),
+         ("smollm2-135m", None, 32, 1))
+
+
+@torch.inference_mode()
+def logits_of(runner: ModelRunner, inputs, graphs: bool) -> torch.Tensor:
+    ids, positions, query_lens, seq_lens, tables = inputs
+    forward = runner.graphs.run if graphs else runner.forward
+    hidden, _ = forward(ids, positions, query_lens, seq_lens, tables)
+    return runner.model.compute_logits(hidden).clone()
+
+
+def capture(runner: ModelRunner, batch: int) -> None:
+    """Fresh graphs (captured on first use) for the current ``triton_pdl.ENABLED``; the old pool freed first."""
+    runner.graphs = None
+    ge.free(runner.device)
+    runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False), 2048, batch)
+
+
+def run_case(runner: ModelRunner, device: torch.device, batch: int, query_len: int, context: int, iters: int,
+             rounds: int) -> dict:
+    torch.manual_seed(0)
+    inputs = ge.forward_inputs(runner, batch, context, query_len)
+    eager = {}
+    for flag in (False, True):
+        triton_pdl.ENABLED = flag
+        eager[flag] = logits_of(runner, inputs, graphs=False)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    graph_logits = {}
+    for _ in range(rounds):
+        for flag in (False, True):
+            triton_pdl.ENABLED = flag
+            capture(runner, batch)
+            torch.manual_seed(0)
+            times[flag].append(ge.time_forward(runner, device, batch, context, query_len, iters))
+            graph_logits[flag] = logits_of(runner, inputs, graphs=True)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"batch": batch, "query_len": query_len, "context": context, "step_s_pdl_off": off, "step_s_pdl_on": on,
+            "speedup": off / on, "rounds_s": {"off": times[False], "on": times[True]},
+            "logits_equal_eager": bool(torch.equal(eager[False], eager[True])),
+            "logits_equal_graph": bool(torch.equal(graph_logits[False], graph_logits[True])),
+            "graph_equals_eager": bool(torch.equal(graph_logits[True], eager[True]))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "pdl_gpu.json"))
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    out = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "definitions": {
+        "step_s": "median over rounds of the median synced time of one graph replay of the target forward plus the "
+                  "eager LM head (gpu_engine.time_forward)",
+        "speedup": "step_s_pdl_off / step_s_pdl_on"}, "cases": []}
+    start = time.perf_counter()
+    built = None
+    for shape, quant, batch, query_len in CASES:
+        if built is None or built[0] != (shape, quant):
+            built = None
+            ge.free(device)
+            config = shape_config(shape)
+            model = ge.dummy_model(config, 2048, dtype, device)
+            if quant:
+                ge.quantize_model(model, quant)
+                ge.free(device)
+            runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib),
+                                 device)
+            built = ((shape, quant), runner)
+        row = {"shape": shape, "quantization": quant or "bf16", "batch": batch, "query_len": query_len}
+        try:
+            row |= run_case(built[1], device, batch, query_len, args.context, args.iters, args.rounds)
+        except Exception as exc:  # noqa: BLE001 - record it and go on with the other cases
+            row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(row, flush=True)
+            out["cases"].append(row)
+            continue
+        out["cases"].append(row)
+        print(f"{shape:14s} {row['quantization']:5s} b={batch:<3d} q={query_len}: "
+              f"off {row['step_s_pdl_off'] * 1e3:.3f} ms  on {row['step_s_pdl_on'] * 1e3:.3f} ms  "
+              f"x{row['speedup']:.3f}  equal eager/graph "
+              f"{row['logits_equal_eager']}/{row['logits_equal_graph']}", flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    triton_pdl.ENABLED = True
+    out["total_seconds"] = time.perf_counter() - start
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

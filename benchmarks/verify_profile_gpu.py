@@ -4,6 +4,12 @@ Llama-3.1-8B shape (bf16, dummy weights) at one batch, over 1 and over ``q`` que
 kernel name, per step. Asserts nothing; prints a table and writes JSON.
 
     python benchmarks/verify_profile_gpu.py --batch 32 --query-lens 1,8 --out $OUT/verify_profile.json
+    python benchmarks/verify_profile_gpu.py --batch 1 --query-lens 1 --quantization fp8
+
+``--quantization fp8|int4`` quantizes the decoder layers' projections first (``gpu_engine.quantize_model``),
+``--no-fuse-act-quant`` turns off ``quant_tiles.FUSE_FP8_ACT_QUANT`` (on by default). Each row also counts
+kernel launches per step (``launches``): at batch 1 a launch's ramp-up and tail cost as much as a small kernel's
+work.
 """
 
 from __future__ import annotations
@@ -23,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks.gpu_engine as ge  # noqa: E402
 from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
 from specserve.engine.model_runner import ModelRunner  # noqa: E402
+from specserve.layers import quant_tiles  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
 
 @torch.inference_mode()
 def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
-                 steps: int, graphs: bool) -> dict[str, float]:
-    """Seconds of GPU time per step by kernel name (forward + LM head, ``steps`` steps after a warm-up; the
-    forward replays the runner's CUDA graph when ``graphs``, eager otherwise)."""
+                 steps: int, graphs: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """(Seconds of GPU time per step by kernel name, launches per step by kernel name): forward + LM head,
+    ``steps`` steps after a warm-up; the forward replays the runner's CUDA graph when ``graphs``, eager
+    otherwise."""
     ids, positions, query_lens, seq_lens, tables = ge.forward_inputs(runner, batch, context, query_len)
     forward = runner.graphs.run if graphs else runner.forward
     for _ in range(2):
@@ -43,10 +51,13 @@ def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context:
             runner.model.compute_logits(hidden)
         ge.sync(device)
     per_name: dict[str, float] = defaultdict(float)
+    launches: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
         if ev.device_time_total > 0 and ev.key and not ev.key.startswith("ProfilerStep"):
             per_name[ev.key] += ev.device_time_total * 1e-6 / steps  # device_time_total: microseconds
-    return dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
+            launches[ev.key] += ev.count / steps
+    order = sorted(per_name, key=lambda k: -per_name[k])
+    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}
 
 
 def main() -> int:
@@ -58,26 +69,36 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--quantization", choices=["fp8", "int4"], default=None)
+    ap.add_argument("--no-fuse-act-quant", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "verify_profile.json"))
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config(args.shape)
+    if args.no_fuse_act_quant:
+        quant_tiles.FUSE_FP8_ACT_QUANT = False  # read at every layer call (models/llama.py)
     model = ge.dummy_model(config, 2048, dtype, device)
+    if args.quantization:
+        ge.quantize_model(model, args.quantization)
+        ge.free(device)
     runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib),
                          device)
     runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(args.batch,), capture_at_startup=False), 2048, args.batch)
     out = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
-           "shape": args.shape, "batch": args.batch, "context": args.context, "by_query_len": {}}
+           "shape": args.shape, "batch": args.batch, "context": args.context, "quantization": args.quantization,
+           "fuse_act_quant": quant_tiles.FUSE_FP8_ACT_QUANT, "by_query_len": {}}
     for q in map(int, args.query_lens.split(",")):
         replay = ge.time_forward(runner, device, args.batch, args.context, q, args.iters)
         row = out["by_query_len"][str(q)] = {"graph_replay_s": replay}
         print(f"q={q}: graph replay {replay * 1e3:.2f} ms")
         for mode in ("eager", "graph"):
-            kernels = kernel_times(runner, device, args.batch, args.context, q, args.steps, mode == "graph")
-            row[mode] = {"kernel_s_total": sum(kernels.values()), "kernels_s": kernels}
-            print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms")
-            for name, t in list(kernels.items())[:12]:
-                print(f"    {t * 1e6:9.1f} us  {name[:100]}")
+            kernels, launches = kernel_times(runner, device, args.batch, args.context, q, args.steps,
+                                             mode == "graph")
+            row[mode] = {"kernel_s_total": sum(kernels.values()), "launches": sum(launches.values()),
+                         "kernels_s": kernels, "launches_by_kernel": launches}
+            print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms, {sum(launches.values()):.0f} launches")
+            for name, t in list(kernels.items())[:16]:
+                print(f"    {t * 1e6:9.1f} us {launches[name]:6.0f}x  {name[:100]}")
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 

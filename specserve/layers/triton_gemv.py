@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import BF16_GEMV_TILES, TileConfig
-from specserve.layers.triton_pdl import pdl_args, pdl_begin, prefetch_lines, prefetch_weights_l2
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -52,10 +52,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-    PREFETCH: tl.constexpr,  # weight lines per row prefetched into L2 before the wait (triton_pdl.prefetch_lines)
-    ELEM_BYTES: tl.constexpr,  # bytes per weight
 ):
-    prefetch_weights_l2(w_ptr, N, K, k_per_split, stride_wn, stride_wk, BLOCK_N, ELEM_BYTES, PREFETCH)
     pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -157,8 +154,6 @@ def gemv_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         EVEN_K=k % block_k == 0,
-        PREFETCH=prefetch_lines(n, k, k_per_split, weight.element_size(), x.device),
-        ELEM_BYTES=weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out

@@ -84,13 +84,6 @@ SILU_BLOCK = 1024  # output columns per silu_and_mul program
 # silu_and_mul_fp8 (one program per row, for the row's amax): rows up to this many columns stay in registers
 # (Llama-3-8B's 14336 does); wider ones are computed twice, once for the amax and once to quantize.
 SILU_FP8_MAX_BLOCK = 16384
-# ... and at decode row counts (up to SILU_FP8_SPLIT_MAX_ROWS rows of at least SILU_FP8_SPLIT_MIN_COLS columns) a
-# row is split over programs of SILU_FP8_SPLIT_BLOCK columns instead, the last to finish quantizing the whole row
-# (``_silu_and_mul_fp8_split_kernel``): one program per row left all but one multiprocessor idle, 6 us a launch
-# at Llama-3-8B's 14336 on the H200 (benchmarks/results/verify_profile_b1_fp8_gpu.json).
-SILU_FP8_SPLIT_MAX_ROWS = 16
-SILU_FP8_SPLIT_MIN_COLS = 4096
-SILU_FP8_SPLIT_BLOCK = 1024
 ROPE_TILE = 2048  # rotated elements per rope program: heads are split into blocks of ROPE_TILE // head_dim
 
 
@@ -269,56 +262,9 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.dim() == 2 and (t.stride(-1) == 1 or t.shape[-1] <= 1)
 
 
-@triton.jit
-def _silu_and_mul_fp8_split_kernel(
-    gate_up_ptr,  # [num_rows, 2 * intermediate_size], row stride stride_in, columns contiguous
-    out_ptr,  # [num_rows, intermediate_size] contiguous: silu_and_mul's output (always written: re-read below)
-    q_ptr,  # [num_rows, intermediate_size] float8_e4m3fn contiguous
-    scale_ptr,  # [num_rows] fp32 (the [num_rows, 1] scale column)
-    amax_ptr,  # [num_rows, NUM_CHUNKS] fp32 scratch: each chunk's amax
-    count_ptr,  # [num_rows] int32 arrival counters, zero before and after the launch
-    intermediate_size, stride_in,
-    BLOCK: tl.constexpr,  # columns per program
-    NUM_CHUNKS: tl.constexpr,  # programs per row: cdiv(intermediate_size, BLOCK)
-    CHUNKS_PAD: tl.constexpr,  # next power of two >= NUM_CHUNKS
-    ROW_BLOCK: tl.constexpr,  # columns per step of the last program's quantize loop (>= intermediate_size: one)
-    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-):
-    pdl_begin(USE_PDL)
-    # Program (row, chunk): silu_and_mul of BLOCK columns (``_silu_mul``, the same bits as the other kernels),
-    # stored, and their amax. The row's last program to arrive (an acq_rel counter, as triton_splitk) takes the max
-    # of the chunk amaxes, hence the scale, and quantizes the whole row from the stored values (read back from L2),
-    # the fused quantizer's maths on the same fp32 values; then it resets the counter. Example: 14336 columns,
-    # BLOCK 1024 -> 14 programs per row; whichever finishes last writes the 14336 e4m3 values and the scale.
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    out = _silu_mul(gate_up_ptr + row * stride_in, intermediate_size, cols)
-    out_row = out_ptr + row * intermediate_size
-    tl.store(out_row + cols, out, mask=cols < intermediate_size)
-    tl.store(amax_ptr + row * NUM_CHUNKS + chunk, tl.max(tl.abs(out.to(tl.float32)), axis=0))
-    tl.debug_barrier()  # every thread's stores are issued before the arrival is counted
-    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_CHUNKS - 1:
-        c = tl.arange(0, CHUNKS_PAD)
-        amaxes = tl.load(amax_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=0.0, cache_modifier=".cg")
-        scale = _fp8_scale(tl.max(amaxes, axis=0))
-        tl.store(scale_ptr + row, scale)
-        offs = tl.arange(0, ROW_BLOCK)
-        q_row = q_ptr + row * intermediate_size
-        for c0 in range(0, intermediate_size, ROW_BLOCK):
-            m = c0 + offs < intermediate_size
-            of = tl.load(out_row + c0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(q_row + c0 + offs, _fp8_quantize(of, scale), mask=m)
-        tl.store(count_ptr + row, 0)  # ready for the next launch
-
-
 class TritonOps(TorchOps):
     """``TorchOps`` with each op one Triton kernel (shapes as in ``TorchOps``); unsupported layouts and dtypes
     go to the torch reference."""
-
-    def __init__(self) -> None:
-        self._counter_buffers: dict[torch.device, torch.Tensor] = {}  # the split kernels' arrival counters
 
     @staticmethod
     def _norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -478,40 +424,9 @@ class TritonOps(TorchOps):
         if num_rows == 0 or inter == 0:
             scale.fill_(1e-12)
             return Fp8Activations(x_q, scale, gate_up.dtype, out)
-        if num_rows <= SILU_FP8_SPLIT_MAX_ROWS and inter >= SILU_FP8_SPLIT_MIN_COLS:
-            self._silu_and_mul_fp8_split(gate_up, x_q, scale, out)
-            return Fp8Activations(x_q, scale, gate_up.dtype, out)
         block = min(_next_pow2(inter), SILU_FP8_MAX_BLOCK)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             gate_up, gate_up if out is None else out, x_q, scale, inter, gate_up.stride(0),  # never stored to
             BLOCK=block, ONE_PASS=block >= inter, WRITE_OUT=write_out, num_warps=_num_warps(block),
             **pdl_args(gate_up.device))
         return Fp8Activations(x_q, scale, gate_up.dtype, out)
-
-    def _counters(self, rows: int, device: torch.device) -> torch.Tensor:  # [>= rows] int32, zero between launches
-        """This object's arrival counters on ``device`` (the split kernels leave them zero), grown as needed. A
-        buffer first made while a CUDA graph is captured lives in the graph's pool and stays valid while held."""
-        buf = self._counter_buffers.get(device)
-        if buf is None or buf.numel() < rows:
-            buf = torch.zeros(max(rows, SILU_FP8_SPLIT_MAX_ROWS), dtype=torch.int32, device=device)
-            self._counter_buffers[device] = buf
-        return buf
-
-    def _silu_and_mul_fp8_split(
-        self,
-        gate_up: torch.Tensor,  # [num_rows, 2 * intermediate_size], columns contiguous
-        x_q: torch.Tensor,  # [num_rows, intermediate_size] e4m3, written
-        scale: torch.Tensor,  # [num_rows, 1] fp32, written
-        out: torch.Tensor | None,  # [num_rows, intermediate_size] activation dtype (None: a scratch row is used)
-    ) -> None:
-        num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        block = min(SILU_FP8_SPLIT_BLOCK, _next_pow2(inter))
-        chunks = triton.cdiv(inter, block)
-        if out is None:
-            out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-        amax = torch.empty((num_rows, chunks), dtype=torch.float32, device=gate_up.device)
-        row_block = min(_next_pow2(inter), SILU_FP8_MAX_BLOCK)
-        _silu_and_mul_fp8_split_kernel[(num_rows, chunks)](
-            gate_up, out, x_q, scale, amax, self._counters(num_rows, gate_up.device), inter, gate_up.stride(0),
-            BLOCK=block, NUM_CHUNKS=chunks, CHUNKS_PAD=_next_pow2(chunks), ROW_BLOCK=row_block,
-            num_warps=_num_warps(row_block), **pdl_args(gate_up.device))

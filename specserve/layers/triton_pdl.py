@@ -31,13 +31,6 @@ import triton
 import triton.language as tl
 
 ENABLED = True
-# Weight prefetch into L2 before the wait (``prefetch_weights_l2``): a projection whose weights take at most this
-# many bytes has each program prefetch its whole slab (the matrix then fits in the 50-60 MB L2 of a Hopper part
-# beside the activations); a larger one only the first ``PREFETCH_HEAD_LINES`` 128-byte lines of each row.
-PREFETCH = True  # read at every launch, like ENABLED
-PREFETCH_WHOLE_MAX_BYTES = 36 << 20
-PREFETCH_HEAD_LINES = 8
-PREFETCH_MAX_LINES = 128  # per row and program (a power of two)
 
 
 @functools.cache
@@ -58,41 +51,6 @@ def pdl_args(device: torch.device) -> dict:
     """The launch keywords of a kernel taking ``USE_PDL``: its constexpr and Triton's ``launch_pdl`` option."""
     flag = use_pdl(device)
     return {"USE_PDL": flag, "launch_pdl": flag}
-
-
-def prefetch_lines(n: int, k: int, k_per_split: int, elem_bytes: int, device: torch.device) -> int:
-    """The ``LINES`` constexpr of ``prefetch_weights_l2`` for a launch over an ``[n, k]`` weight of
-    ``elem_bytes``-byte elements split in K ranges of ``k_per_split``: 0 without PDL (the prefetch only pays
-    while the previous kernel runs) or with ``PREFETCH`` off, else the 128-byte lines of a program's row slab
-    (or its head), rounded up to a power of two."""
-    if not PREFETCH or not use_pdl(device):
-        return 0
-    lines = triton.cdiv(k_per_split * elem_bytes, 128)
-    if n * k * elem_bytes > PREFETCH_WHOLE_MAX_BYTES:
-        lines = min(lines, PREFETCH_HEAD_LINES)
-    return triton.next_power_of_2(min(lines, PREFETCH_MAX_LINES))
-
-
-@triton.jit
-def prefetch_weights_l2(
-    w_ptr,  # [N, K] weights, rows stride_wn apart, elements stride_wk apart
-    N, K, k_per_split, stride_wn, stride_wk,
-    BLOCK_N: tl.constexpr,  # rows per program: program_id(0) covers rows [pid * BLOCK_N, (pid + 1) * BLOCK_N)
-    ELEM_BYTES: tl.constexpr,
-    LINES: tl.constexpr,  # 128-byte lines per row from the start of this program's K range (0: none)
-):
-    """Ask L2 for the first ``LINES`` lines of each weight row this program will stream (its K range is
-    ``program_id(2) * k_per_split`` onwards), without waiting for them. Weights are never written by a
-    kernel, so this may run before ``pdl_begin``: while the previous kernel still works, the loads that follow
-    the wait then hit L2. Addresses are clamped into the matrix (a row past N reads row N - 1)."""
-    if LINES > 0:
-        rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)  # [BLOCK_N]
-        k_lo = tl.program_id(2) * k_per_split
-        k_last = tl.minimum(k_lo + k_per_split, K) - 1
-        cols = tl.minimum(k_lo + tl.arange(0, LINES) * (128 // ELEM_BYTES), k_last).to(tl.int64)  # [LINES]
-        ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk  # [BLOCK_N, LINES]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig
-from specserve.layers.triton_pdl import pdl_args, pdl_begin, prefetch_lines, prefetch_weights_l2
+from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
@@ -140,9 +140,7 @@ def _w8a16_kernel(
     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
     PRECISION: tl.constexpr, X_MODE: tl.constexpr, FP8_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-    PREFETCH: tl.constexpr,  # weight lines per row prefetched into L2 before the wait (triton_pdl.prefetch_lines)
 ):
-    prefetch_weights_l2(w_ptr, N, K, k_per_split, stride_wn, stride_wk, BLOCK_N, 1, PREFETCH)
     pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -313,7 +311,7 @@ def w8a16_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
-        X_MODE=x_mode, FP8_DOT=fp8_dot, PREFETCH=prefetch_lines(n, k, k_per_split, 1, x.device),
+        X_MODE=x_mode, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out

@@ -90,8 +90,6 @@ def compile_launches(launches: list, target: GPUTarget, usage: bool) -> tuple[in
     for fn, args, kwargs in launches:
         if "USE_PDL" in kwargs:  # recorded on CPU (off); compile what a GPU of this target launches
             kwargs = {**kwargs, "USE_PDL": target.arch >= 90, "launch_pdl": target.arch >= 90}
-            if "PREFETCH" in kwargs:  # the weight prefetch before the wait (0 on CPU): compile it too
-                kwargs["PREFETCH"] = 8 if target.arch >= 90 else 0
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         key = (fn.__name__, str(specialization), str(options))

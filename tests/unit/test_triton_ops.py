@@ -408,16 +408,9 @@ def test_fused_fp8_norm_is_the_norm_then_the_quantizer(dtype, rows, hidden, resi
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("rows", FP8_ROWS)
-@pytest.mark.parametrize("intermediate, max_block, split_block", [
-    (64, 16384, 0), (300, 16384, 0), (1024, 16384, 0), (300, 128, 0),
-    (300, 16384, 64), (300, 128, 64), (256, 16384, 256)])
-def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, split_block,
-                                                             monkeypatch):
+@pytest.mark.parametrize("intermediate, max_block", [(64, 16384), (300, 16384), (1024, 16384), (300, 128)])
+def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, monkeypatch):
     monkeypatch.setattr(triton_ops, "SILU_FP8_MAX_BLOCK", max_block)  # 128: three chunks, two passes
-    # split_block: rows of up to 16 split over programs of that many columns, the last quantizing the row (300 /
-    # 64: five programs a row; with max_block 128 its quantize loop takes three steps; 256 / 256: one program)
-    monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_MIN_COLS", 1 if split_block else 1 << 30)
-    monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_BLOCK", split_block or 1024)
     gen = torch.Generator().manual_seed(rows + intermediate)
     gate_up = _fp8_rows(gen, rows, 2 * intermediate, dtype, extra_cols=5)
     ops = TritonOps()
@@ -427,8 +420,6 @@ def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, interm
     assert acts.x is None and torch.equal(written.x, out)
     assert_quantized_as(acts, out)
     assert_quantized_as(written, out)
-    if split_block and rows <= triton_ops.SILU_FP8_SPLIT_MAX_ROWS:  # the counters are left zero for the next launch
-        assert not ops._counter_buffers[gate_up.device].any()
 
 
 def test_fused_fp8_fallbacks_quantize_the_torch_op():

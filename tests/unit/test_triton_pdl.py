@@ -54,17 +54,6 @@ for flag in (False, True):
                                                  "ld.global"))
     print(flag, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
           int(0 <= wait < launch < load))
-from specserve.layers import triton_gemv
-names = triton_gemv._gemv_kernel.arg_names
-types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
-         "count_ptr": "*i32"}
-consts = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "EVEN_K": True,
-          "USE_PDL": True, "PREFETCH": 16, "ELEM_BYTES": 2}
-sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-ptx = triton.compile(ASTSource(triton_gemv._gemv_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                     options={"launch_pdl": True}).asm["ptx"]
-first_prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
-print("gemv", ptx.count("prefetch.global.L2"), int(0 <= first_prefetch < wait < ptx.find("ld.global")))
 """
 
 
@@ -79,20 +68,3 @@ def test_hopper_ptx_waits_before_it_launches_dependents(tmp_path):
     assert counts["False"] == (0, 0, 0)
     # one wait, then the dependents' launch, both before the kernel's first global load
     assert counts["True"] == (1, 1, 1)
-    # the GEMV's weight prefetch (16 lines of 8 rows over 4 warps: one per thread at least) precedes the wait
-    prefetches, ordered = counts["gemv"]
-    assert prefetches >= 1 and ordered == 1
-
-
-def test_prefetch_lines(monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert triton_pdl.prefetch_lines(4096, 4096, 4096, 2, cpu) == 0  # no PDL: nothing runs before the wait
-    monkeypatch.setattr(triton_pdl, "use_pdl", lambda device: True)
-    # Llama-3.1-8B o_proj in fp8 (16.8 MB, fits the budget): the whole slab of a split of 896 -> 7 lines -> 8
-    assert triton_pdl.prefetch_lines(4096, 4096, 896, 1, cuda) == 8
-    # in bf16 (33.5 MB) still whole: 4096 x 2 bytes a row = 64 lines
-    assert triton_pdl.prefetch_lines(4096, 4096, 4096, 2, cuda) == 64
-    # gate_up in fp8 (117 MB) is over the budget: the head of each row only
-    assert triton_pdl.prefetch_lines(28672, 4096, 4096, 1, cuda) == triton_pdl.PREFETCH_HEAD_LINES
-    # a long whole slab is capped
-    assert triton_pdl.prefetch_lines(256, 65536, 65536, 2, cuda) == triton_pdl.PREFETCH_MAX_LINES

@@ -86,8 +86,6 @@ def compile_launches(launches: list, target: GPUTarget) -> int:
             kwargs["USE_PDL"] = target.arch >= 90
             kwargs.pop("launch_pdl", None)
             options["launch_pdl"] = kwargs["USE_PDL"]
-            if "PREFETCH" in kwargs:  # the weight prefetch before the wait (0 on CPU): compile it too
-                kwargs["PREFETCH"] = 8 if kwargs["USE_PDL"] else 0
         bound = dict(zip(fn.arg_names, args)) | kwargs
         signature, constexprs = {}, {}
         for param in fn.params:

@@ -22,8 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from specserve.layers import triton_ops  # noqa: E402
 from tests.unit.triton_compile_check import Recorder, compile_launches  # noqa: E402
 
-KERNELS = ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_silu_and_mul_fp8_kernel",
-           "_silu_and_mul_fp8_split_kernel")
+KERNELS = ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_silu_and_mul_fp8_kernel")
 # (hidden, intermediate, num_heads, num_kv_heads, head_dim): SmolLM2-135M, Llama-3.1-8B, Qwen2.5-0.5B (14/2/64)
 SHAPES = [(576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128), (896, 4864, 14, 2, 64)]
 

@@ -1,8 +1,9 @@
-"""Programmatic dependent launch (``layers/triton_pdl.py``) on and off, side by side in one run (GPU machine, not
-CI): the target forward + LM head of a step, replayed from the runner's CUDA graph as ``gpu_engine.py`` times it,
-on dummy weights at real shapes. Per case: the median step with PDL off and on (graphs captured afresh for each
-setting, the two settings timed in alternation, ``--rounds`` times each), and whether the logits are bit for bit
-the same both ways (eagerly and from the graphs). Asserts nothing; prints a table and writes JSON.
+"""Programmatic dependent launch (``layers/triton_pdl.py``) off, on, and on with each kernel launching the next
+before it waits (``EARLY_LAUNCH``), side by side in one run (GPU machine, not CI): the target forward + LM head of a
+step, replayed from the runner's CUDA graph as ``gpu_engine.py`` times it, on dummy weights at real shapes. Per
+case: the median step of each setting (graphs captured afresh for each, the settings timed in turn, ``--rounds``
+times each), and whether the logits are bit for bit the same every way (eagerly and from the graphs). Asserts
+nothing; prints a table and writes JSON. ``benchmarks/results/pdl_gpu.json`` is the two-setting run (off / on).
 
     python benchmarks/pdl_gpu.py --out $OUT/pdl_gpu.json
 """
@@ -49,29 +50,38 @@ def capture(runner: ModelRunner, batch: int) -> None:
     runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False), 2048, batch)
 
 
+# (triton_pdl.ENABLED, triton_pdl.EARLY_LAUNCH)
+SETTINGS = {"off": (False, False), "pdl": (True, False), "pdl_early": (True, True)}
+
+
+def apply(setting: str) -> None:
+    triton_pdl.ENABLED, triton_pdl.EARLY_LAUNCH = SETTINGS[setting]
+
+
 def run_case(runner: ModelRunner, device: torch.device, batch: int, query_len: int, context: int, iters: int,
              rounds: int) -> dict:
     torch.manual_seed(0)
     inputs = ge.forward_inputs(runner, batch, context, query_len)
     eager = {}
-    for flag in (False, True):
-        triton_pdl.ENABLED = flag
-        eager[flag] = logits_of(runner, inputs, graphs=False)
-    times: dict[bool, list[float]] = {False: [], True: []}
+    for setting in SETTINGS:
+        apply(setting)
+        eager[setting] = logits_of(runner, inputs, graphs=False)
+    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
     graph_logits = {}
     for _ in range(rounds):
-        for flag in (False, True):
-            triton_pdl.ENABLED = flag
+        for setting in SETTINGS:
+            apply(setting)
             capture(runner, batch)
             torch.manual_seed(0)
-            times[flag].append(ge.time_forward(runner, device, batch, context, query_len, iters))
-            graph_logits[flag] = logits_of(runner, inputs, graphs=True)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"batch": batch, "query_len": query_len, "context": context, "step_s_pdl_off": off, "step_s_pdl_on": on,
-            "speedup": off / on, "rounds_s": {"off": times[False], "on": times[True]},
-            "logits_equal_eager": bool(torch.equal(eager[False], eager[True])),
-            "logits_equal_graph": bool(torch.equal(graph_logits[False], graph_logits[True])),
-            "graph_equals_eager": bool(torch.equal(graph_logits[True], eager[True]))}
+            times[setting].append(ge.time_forward(runner, device, batch, context, query_len, iters))
+            graph_logits[setting] = logits_of(runner, inputs, graphs=True)
+    step = {s: statistics.median(t) for s, t in times.items()}
+    return {"batch": batch, "query_len": query_len, "context": context, "step_s": step,
+            "speedup_vs_off": {s: step["off"] / step[s] for s in SETTINGS if s != "off"},
+            "rounds_s": times,
+            "logits_equal_eager": all(torch.equal(eager["off"], v) for v in eager.values()),
+            "logits_equal_graph": all(torch.equal(graph_logits["off"], v) for v in graph_logits.values()),
+            "graph_equals_eager": bool(torch.equal(graph_logits["off"], eager["off"]))}
 
 
 def main() -> int:
@@ -87,7 +97,9 @@ def main() -> int:
            "torch": torch.__version__, "definitions": {
         "step_s": "median over rounds of the median synced time of one graph replay of the target forward plus the "
                   "eager LM head (gpu_engine.time_forward)",
-        "speedup": "step_s_pdl_off / step_s_pdl_on"}, "cases": []}
+        "settings": "off: no PDL; pdl: each kernel waits, then lets the next launch; pdl_early: each lets the "
+                    "next launch, then waits (triton_pdl.EARLY_LAUNCH)",
+        "speedup_vs_off": "step_s[off] / step_s[setting]"}, "cases": []}
     start = time.perf_counter()
     built = None
     for shape, quant, batch, query_len in CASES:
@@ -112,11 +124,11 @@ def main() -> int:
             continue
         out["cases"].append(row)
         print(f"{shape:14s} {row['quantization']:5s} b={batch:<3d} q={query_len}: "
-              f"off {row['step_s_pdl_off'] * 1e3:.3f} ms  on {row['step_s_pdl_on'] * 1e3:.3f} ms  "
-              f"x{row['speedup']:.3f}  equal eager/graph "
-              f"{row['logits_equal_eager']}/{row['logits_equal_graph']}", flush=True)
+              + "  ".join(f"{s} {t * 1e3:.3f} ms" for s, t in row["step_s"].items())
+              + "  x" + " x".join(f"{v:.3f}" for v in row["speedup_vs_off"].values())
+              + f"  equal eager/graph {row['logits_equal_eager']}/{row['logits_equal_graph']}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
-    triton_pdl.ENABLED = True
+    apply("pdl")
     out["total_seconds"] = time.perf_counter() - start
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

@@ -17,8 +17,10 @@ kernel before me has completed" holds transitively for the whole stream. A kerne
 ``ENABLED`` is read at every launch (benchmarks flip it for an A/B run; a captured CUDA graph keeps what it
 captured); ``SPECSERVE_DISABLE_PDL=1`` turns PDL off for the process. Off on CPU, under ``TRITON_INTERPRET=1``
 and on GPUs before compute capability 9.0. Measured on an H200 (``benchmarks/pdl_gpu.py``,
-``benchmarks/results/pdl_gpu.json``): the same logits bit for bit, and the graph-replayed Llama-3.1-8B-shape
-step at batch 1 x1.016 faster in bf16 and x1.073 in FP8 (where the projections are shortest).
+``benchmarks/results/pdl_gpu.json``, ``pdl_early_gpu.json``): the same logits bit for bit, and the
+graph-replayed Llama-3.1-8B-shape step at batch 1 x1.016 / x1.040 faster in bf16 and x1.073 / x1.077 in FP8
+(where the projections are shortest) in two runs; at batch 32 and on the SmolLM2 shape the runs differ by more
+than PDL's effect (x0.98 to x1.14).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ import triton
 import triton.language as tl
 
 ENABLED = True
+# False: a kernel waits for the one before it, then lets the next launch (at most two kernels resident at once).
+# True: it lets the next launch first, then waits, so a chain of short kernels can all be resident, each waiting
+# on the one before it (the same order of memory effects: every kernel still waits before touching memory).
+# Measured slower on the H200 at batch 1 (x0.94 against PDL off, Llama-3.1-8B shape, bf16 and fp8;
+# benchmarks/results/pdl_early_gpu.json): the waiting programs hold the multiprocessors the running kernel needs.
+EARLY_LAUNCH = False
 
 
 @functools.cache
@@ -48,15 +56,20 @@ def use_pdl(device: torch.device) -> bool:
 
 
 def pdl_args(device: torch.device) -> dict:
-    """The launch keywords of a kernel taking ``USE_PDL``: its constexpr and Triton's ``launch_pdl`` option."""
-    flag = use_pdl(device)
-    return {"USE_PDL": flag, "launch_pdl": flag}
+    """The launch keywords of a kernel taking ``USE_PDL``: its constexpr (0: off, 1: wait then launch the next,
+    2: launch the next then wait; see ``EARLY_LAUNCH``) and Triton's ``launch_pdl`` option."""
+    mode = (2 if EARLY_LAUNCH else 1) if use_pdl(device) else 0
+    return {"USE_PDL": mode, "launch_pdl": mode > 0}
 
 
 @triton.jit
 def pdl_begin(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel in the stream to complete (its writes visible), then allow the next kernel
-    to launch. Call before the kernel's first global load or store; a no-op when ``USE_PDL`` is off."""
-    if USE_PDL:
+    """Wait for the previous kernel in the stream to complete (its writes visible) and allow the next kernel to
+    launch, in that order (``USE_PDL`` 1) or the other (2). Call before the kernel's first global load or store; a
+    no-op when ``USE_PDL`` is 0."""
+    if USE_PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    elif USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -37,7 +37,9 @@ def test_on_for_hopper_only(monkeypatch):
     for major, expected in ((8, False), (9, True), (10, True)):
         monkeypatch.setattr(triton_pdl, "_capability_major", lambda index, m=major: m)
         assert triton_pdl.use_pdl(torch.device("cuda", 0)) is expected
-        assert triton_pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": expected, "launch_pdl": expected}
+        assert triton_pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": int(expected), "launch_pdl": expected}
+    monkeypatch.setattr(triton_pdl, "EARLY_LAUNCH", True)  # mode 2: launch the next kernel, then wait
+    assert triton_pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": 2, "launch_pdl": True}
 
 
 COMPILE = """
@@ -47,17 +49,18 @@ from triton.compiler import ASTSource
 from specserve.layers import triton_ops
 sig = {"gate_up_ptr": "*bf16", "out_ptr": "*bf16", "intermediate_size": "i32", "stride_in": "i32",
        "BLOCK": "constexpr", "USE_PDL": "constexpr"}
-for flag in (False, True):
-    src = ASTSource(triton_ops._silu_and_mul_kernel, sig, {"BLOCK": 1024, "USE_PDL": flag})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": flag}).asm["ptx"]
+for mode in (0, 1, 2):
+    src = ASTSource(triton_ops._silu_and_mul_kernel, sig, {"BLOCK": 1024, "USE_PDL": mode})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": mode > 0}).asm["ptx"]
     wait, launch, load = (ptx.find(s) for s in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
                                                  "ld.global"))
-    print(flag, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
-          int(0 <= wait < launch < load))
+    first, second = (wait, launch) if mode == 1 else (launch, wait)
+    print(mode, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+          int(0 <= first < second < load))
 """
 
 
-def test_hopper_ptx_waits_before_it_launches_dependents(tmp_path):
+def test_hopper_ptx_waits_and_launches_before_any_load(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "TRITON_CACHE_DIR": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)  # kernels must be JITFunctions to compile
@@ -65,6 +68,6 @@ def test_hopper_ptx_waits_before_it_launches_dependents(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in result.stdout.splitlines()}
-    assert counts["False"] == (0, 0, 0)
-    # one wait, then the dependents' launch, both before the kernel's first global load
-    assert counts["True"] == (1, 1, 1)
+    assert counts["0"] == (0, 0, 0)
+    # one wait, then the dependents' launch (mode 2: the other way round), both before the first global load
+    assert counts["1"] == (1, 1, 1) and counts["2"] == (1, 1, 1)

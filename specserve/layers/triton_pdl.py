@@ -37,7 +37,8 @@ ENABLED = True
 # True: it lets the next launch first, then waits, so a chain of short kernels can all be resident, each waiting
 # on the one before it (the same order of memory effects: every kernel still waits before touching memory).
 # Measured slower on the H200 at batch 1 (x0.94 against PDL off, Llama-3.1-8B shape, bf16 and fp8;
-# benchmarks/results/pdl_early_gpu.json): the waiting programs hold the multiprocessors the running kernel needs.
+# benchmarks/results/pdl_early_gpu.json), presumably because waiting programs hold resources the running kernel
+# could use (not profiled).
 EARLY_LAUNCH = False
 
 

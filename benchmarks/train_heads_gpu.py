@@ -160,6 +160,7 @@ def train(args) -> None:
     peagle = TrainDraftConfig(method="peagle", num_layers=args.peagle_layers, num_spec_tokens=7,
                               max_train_seconds=args.peagle_train_seconds or args.train_seconds,
                               anchors_per_seq=256, anchor_chunk=128, total_steps=args.peagle_total_steps,
+                              peagle_chain_weight=args.peagle_chain_weight,
                               head_intermediate_size=args.head_intermediate,
                               init_head=str(ROOT / args.peagle_init_head) if args.peagle_init_head else None,
                               **common)
@@ -506,6 +507,8 @@ def main() -> int:
     ap.add_argument("--peagle-init-head", default=None,
                     help="P-EAGLE: start from this head (repo path or absolute): a P-EAGLE head, or an EAGLE-3 head "
                          "of the same --head-intermediate, whose layers, fc and LM head it takes")
+    ap.add_argument("--peagle-chain-weight", action="store_true",
+                    help="P-EAGLE: weight each slot's loss by the head's chance of reaching it (TrainDraftConfig)")
     ap.add_argument("--peagle-only", action="store_true", help="train P-EAGLE on the data an earlier call of this "
                     "warm machine generated (/tmp/work/eagle3), or --data")
     ap.add_argument("--data", nargs="+", default=None,

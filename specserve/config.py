@@ -249,6 +249,11 @@ class TrainDraftConfig:
     num_spec_tokens: int = 7  # P-EAGLE slots trained (draft positions 1..num_spec_tokens)
     anchors_per_seq: int = 128  # P-EAGLE: sampled anchor positions per sequence per pass
     anchor_chunk: int = 64  # P-EAGLE: anchors per forward/backward (memory bound of long sequences)
+    # P-EAGLE: weight slot s's loss at an anchor by the head's own probability (not differentiated) that its drafts
+    # before s all match the target's greedy tokens, i.e. that a verifier would reach slot s there: the expected
+    # acceptance length's gradient, up to its later terms. Off: every anchor weighs the same (a slot may then learn
+    # tokens that are right only where the chain has already broken).
+    peagle_chain_weight: bool = False
     checkpoint_every: int = 200
     dataset_answers: bool = False  # also train on the prompt files' own answers (off-policy; train/data.py)
     eval_every: int = 0  # steps between held-out estimates; the best head (estimated AL) is kept. 0: off

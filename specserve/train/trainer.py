@@ -186,10 +186,12 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return g.to(logits.dtype), None, None
 
 
-def _soft_ce(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over ``mask`` rows of ``-sum probs * log_softmax(logits)``; logits/probs [..., V], mask [...]."""
+def _soft_ce(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+             denom: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over ``mask`` rows of ``-sum probs * log_softmax(logits)``; logits/probs [..., V], mask [...] (0/1, or
+    row weights, then divided by ``denom``, default their sum)."""
     v = logits.shape[-1]
-    weight = mask.reshape(-1).float() / mask.sum().clamp(min=1)
+    weight = mask.reshape(-1).float() / (mask.sum() if denom is None else denom).clamp(min=1)
     return _SoftCrossEntropy.apply(logits.reshape(-1, v), probs.reshape(-1, v).float(), weight)
 
 
@@ -257,11 +259,17 @@ def eagle3_loss(head: EagleHead, tgt: TargetOut, batch: Batch, steps: int, decay
 
 def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, decay: float,
                 anchors: torch.Tensor, real_loss: bool,
-                run_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+                run_lengths: torch.Tensor | None = None,
+                chain_weight: bool = False) -> tuple[torch.Tensor, StepStats]:
     """Real entries (draft 1, when ``real_loss``) plus ``num_slots - 1`` mask slots after every anchor
     (``anchors`` [B, A] int64; -1 = padding) in one forward. With ``run_lengths`` ([B, A] int64, zeros), also
     records for every anchor how many leading drafts (the real entry's, then the slots') matched the target's
-    argmax: what a verifier would accept from that anchor's one-pass draft (the held-out AL estimate)."""
+    argmax: what a verifier would accept from that anchor's one-pass draft (the held-out AL estimate).
+
+    ``chain_weight`` (``TrainDraftConfig.peagle_chain_weight``): slot s's cross-entropy at an anchor is weighted by
+    ``reach = p_1 * ... * p_s``, the head's probabilities (detached) of the target's greedy token at the drafts
+    before it (p_1 the real entry's draft), and averaged over the valid anchors. Example: p_1 = 0.9, slot 1's
+    p = 0.2 -> slot 1 weighs 0.9 and slot 2 weighs 0.18 at that anchor."""
     tokens = batch.tokens
     B, T = tokens.shape
     n = B * T
@@ -296,6 +304,8 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
     if run_lengths is not None:
         alive = hit[b_idx[:, :, 0], anc] & valid_anchor  # [B, A] draft 1 of each anchor matched
         run_lengths += alive.long()
+    if chain_weight:  # [B, A] the head's probability that draft 1 is the target's greedy token
+        reach = _prob_of(real_logits[b_idx[:, :, 0], anc], _shift(tgt.argmax, 1, -1)[b_idx[:, :, 0], anc])
     label_row = (anc[:, :, None] + 1 + slot).clamp(max=T - 1)  # [B, A, S] row of the target's distribution
     tok_row = anc[:, :, None] + 2 + slot  # the predicted token's position
     in_range = tok_row < T
@@ -303,8 +313,13 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
     for s in range(S):
         m = chain_mask[:, :, s]
         probs = tgt.probs[b_idx[:, :, 0], label_row[:, :, s]]  # [B, A, V]
-        total = total + (decay ** (s + 1)) * _soft_ce(chain_logits[:, :, s], probs, m.float())
         arg = tgt.argmax[b_idx[:, :, 0], label_row[:, :, s]]
+        if chain_weight:
+            ce = _soft_ce(chain_logits[:, :, s], probs, m.float() * reach, denom=m.sum())
+            reach = reach * _prob_of(chain_logits[:, :, s], arg)
+        else:
+            ce = _soft_ce(chain_logits[:, :, s], probs, m.float())
+        total = total + (decay ** (s + 1)) * ce
         hit = (chain_logits[:, :, s].argmax(-1) == arg) & m
         stats.correct.append(int(hit.sum()))
         stats.count.append(int(m.sum()))
@@ -313,6 +328,16 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
             run_lengths += alive.long()
     stats.loss = float(total.detach())
     return total, stats
+
+
+def _prob_of(
+    logits: torch.Tensor,  # [..., V] draft logits
+    token: torch.Tensor,  # [...] draft-vocabulary index, -1: outside it (probability 0)
+) -> torch.Tensor:  # [...] fp32, detached
+    """The head's probability of ``token`` under ``logits``, not differentiated."""
+    with torch.no_grad():
+        logp = logits.float().log_softmax(-1).gather(-1, token.clamp(min=0)[..., None]).squeeze(-1)
+        return logp.exp() * (token >= 0)
 
 
 def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> torch.Tensor:  # [B, count] int64, -1 pad
@@ -476,7 +501,8 @@ class Trainer:
             losses, merged = [], None
             for c, start in enumerate(range(0, anchors.shape[1], cfg.anchor_chunk)):
                 loss, stats = peagle_loss(self.head, tgt, batch, cfg.num_spec_tokens, cfg.step_weight_decay,
-                                          anchors[:, start:start + cfg.anchor_chunk], real_loss=c == 0)
+                                          anchors[:, start:start + cfg.anchor_chunk], real_loss=c == 0,
+                                          chain_weight=cfg.peagle_chain_weight)
                 if train:
                     loss.backward()
                 losses.append(loss.detach())

@@ -241,6 +241,60 @@ def test_peagle_run_lengths_count_each_anchors_leading_matches(tmp_path) -> None
     assert sorted(est) == [1, 2, 3, 4] and list(est.values()) == sorted(est.values())  # k <= num_spec_tokens
 
 
+def test_peagle_chain_weight_weighs_each_slot_by_the_chance_of_reaching_it(tmp_path) -> None:
+    """``peagle_loss(chain_weight=True)``: slot s's cross-entropy at an anchor times the head's probabilities of the
+    target's greedy tokens at the drafts before it (the real entry's, then the slots'), averaged over the valid
+    anchors, recomputed by hand from the same forward's logits; and one training step with it lowers that loss."""
+    from specserve.train.trainer import peagle_loss, sample_anchors
+    trainer, engine = tiny_trainer("peagle", tmp_path, num_layers=2, epochs=2.0)
+    samples = greedy_samples(engine, 4)
+    trainer.fit(samples)  # a trained head: probabilities far from uniform and from one another
+    head = trainer.head.eval()
+    batch = collate(samples[:3], 64, torch.device("cpu"))
+    tgt = target_outputs(trainer.target, batch.tokens, head.config.aux_layer_ids, trainer.draft_ids,
+                         trainer.t2d_index)
+    anchors = sample_anchors(batch, 10, torch.Generator().manual_seed(4))
+    seen: list[torch.Tensor] = []
+    hook = head.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+    with torch.no_grad():
+        weighted, _ = peagle_loss(head, tgt, batch, 4, 0.8, anchors, False, chain_weight=True)
+        plain, _ = peagle_loss(head, tgt, batch, 4, 0.8, anchors, False)
+    hook.remove()
+    B, T = batch.tokens.shape
+    A, S = anchors.shape[1], 3
+    real = seen[0][:B * T].reshape(B, T, -1).log_softmax(-1)
+    chain = seen[0][B * T:].reshape(B, A, S, -1).log_softmax(-1)
+    arg_real = _shift(tgt.argmax, 1, -1)
+
+    def prob(logp: torch.Tensor, token: int) -> float:
+        return 0.0 if token < 0 else float(logp[token].exp())
+
+    num, plain_num, den = [0.0] * S, [0.0] * S, [0] * S
+    for b in range(B):
+        for a, j in enumerate(anchors[b].tolist()):
+            if j < 0:
+                continue
+            reach = prob(real[b, j], int(arg_real[b, j]))
+            for s in range(S):
+                label_row = min(j + 2 + s, T - 1)
+                ce = float(-(tgt.probs[b, label_row] * chain[b, a, s]).sum())
+                if j + 3 + s < T and batch.answer[b, j + 3 + s]:
+                    num[s], plain_num[s], den[s] = num[s] + reach * ce, plain_num[s] + ce, den[s] + 1
+                reach *= prob(chain[b, a, s], int(tgt.argmax[b, label_row]))
+    want = sum(0.8 ** (s + 1) * num[s] / max(den[s], 1) for s in range(S))
+    want_plain = sum(0.8 ** (s + 1) * plain_num[s] / max(den[s], 1) for s in range(S))
+    assert 0 < want < want_plain  # reach < 1 shrinks every term: the weighting is not a no-op here
+    torch.testing.assert_close(float(weighted), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(float(plain), want_plain, rtol=1e-5, atol=1e-6)
+    head.train()
+    loss, _ = peagle_loss(head, tgt, batch, 4, 0.8, anchors, True, chain_weight=True)
+    loss.backward()
+    torch.optim.SGD(head.parameters(), lr=0.05).step()
+    with torch.no_grad():
+        after, _ = peagle_loss(head, tgt, batch, 4, 0.8, anchors, True, chain_weight=True)
+    assert float(after) < float(loss.detach())
+
+
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
 def test_training_predictions_equal_the_engine_proposers_drafts(tmp_path, method: str) -> None:
     """The engine's proposer drafts d1..dk after a prompt; with d1..dk as the 'true' continuation, the training

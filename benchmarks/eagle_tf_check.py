@@ -71,9 +71,10 @@ def main() -> int:
     engine = LLMEngine(engine_cfg, model, config, tok, proposers={args.method: proposer})
     head = proposer.head
     draft_ids = torch.arange(len(head.d2t)) + head.d2t.long()  # d2t holds draft index -> target id offsets
-    # P-EAGLE: every position an anchor (a sequence here is at most prompt + max_tokens long)
+    # P-EAGLE: every answer position an anchor (an answer here is at most max_tokens long)
     trainer = Trainer(model, config, TrainDraftConfig(method=args.method, ttt_steps=7, num_spec_tokens=7,
-                                                      anchors_per_seq=256, anchor_chunk=32, max_batch_tokens=1024),
+                                                      anchors_per_seq=args.max_tokens, anchor_chunk=32,
+                                                      max_batch_tokens=1024),
                       draft_ids, device, Path("/tmp/eagle_tf_check"), progress=False)
     head.set_ops(TrainOps())
     trainer.head = head  # evaluate the served head itself

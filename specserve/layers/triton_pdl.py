@@ -47,20 +47,31 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def supports_pdl(capability_major: int) -> bool:
+    """Whether a GPU of this compute capability major has PDL (Hopper, 9.0, and later)."""
+    return capability_major >= 9
+
+
 def use_pdl(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: ``ENABLED``, no ``SPECSERVE_DISABLE_PDL=1``, a CUDA device of
-    compute capability >= 9.0, and not the Triton interpreter."""
+    """Whether launches on ``device`` use PDL: ``ENABLED``, no ``SPECSERVE_DISABLE_PDL=1``, a CUDA device that
+    ``supports_pdl``, and not the Triton interpreter."""
     if (not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or os.environ.get("SPECSERVE_DISABLE_PDL") == "1"):
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return supports_pdl(_capability_major(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def launch_args(on: bool) -> dict:
+    """The launch keywords of a kernel taking ``USE_PDL`` with PDL ``on`` or off: its constexpr (0: off, 1: wait
+    then launch the next, 2: launch the next then wait; see ``EARLY_LAUNCH``) and Triton's ``launch_pdl`` option.
+    The sm_90 compile checks (tests/unit/*_compile_check.py) build with ``launch_args(True)``."""
+    mode = (2 if EARLY_LAUNCH else 1) if on else 0
+    return {"USE_PDL": mode, "launch_pdl": mode > 0}
 
 
 def pdl_args(device: torch.device) -> dict:
-    """The launch keywords of a kernel taking ``USE_PDL``: its constexpr (0: off, 1: wait then launch the next,
-    2: launch the next then wait; see ``EARLY_LAUNCH``) and Triton's ``launch_pdl`` option."""
-    mode = (2 if EARLY_LAUNCH else 1) if use_pdl(device) else 0
-    return {"USE_PDL": mode, "launch_pdl": mode > 0}
+    """``launch_args`` for a launch on ``device`` (``use_pdl``)."""
+    return launch_args(use_pdl(device))
 
 
 @triton.jit

@@ -296,7 +296,8 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
     real_mask = _shift(batch.answer, 2, False)
     if real_loss:
         total = total + _soft_ce(real_logits, _shift(tgt.probs, 1), real_mask.float())
-    hit = (real_logits.argmax(-1) == _shift(tgt.argmax, 1, -1)) & real_mask
+    real_arg = _shift(tgt.argmax, 1, -1)  # [B, T] the target's greedy token each real entry drafts
+    hit = (real_logits.argmax(-1) == real_arg) & real_mask
     stats.correct.append(int(hit.sum()))
     stats.count.append(int(real_mask.sum()))
     chain_logits = logits[n:].reshape(B, A, S, -1)
@@ -305,7 +306,7 @@ def peagle_loss(head: EagleHead, tgt: TargetOut, batch: Batch, num_slots: int, d
         alive = hit[b_idx[:, :, 0], anc] & valid_anchor  # [B, A] draft 1 of each anchor matched
         run_lengths += alive.long()
     if chain_weight:  # [B, A] the head's probability that draft 1 is the target's greedy token
-        reach = _prob_of(real_logits[b_idx[:, :, 0], anc], _shift(tgt.argmax, 1, -1)[b_idx[:, :, 0], anc])
+        reach = _prob_of(real_logits[b_idx[:, :, 0], anc], real_arg[b_idx[:, :, 0], anc])
     label_row = (anc[:, :, None] + 1 + slot).clamp(max=T - 1)  # [B, A, S] row of the target's distribution
     tok_row = anc[:, :, None] + 2 + slot  # the predicted token's position
     in_range = tok_row < T

@@ -36,7 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from specserve.layers import quant_tiles, triton_gemv, triton_w4a16, triton_w8a16  # noqa: E402
+from specserve.layers import quant_tiles, triton_gemv, triton_pdl, triton_w4a16, triton_w8a16  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def compile_launches(launches: list, target: GPUTarget, usage: bool) -> tuple[in
     seen, failures = set(), []
     for fn, args, kwargs in launches:
         if "USE_PDL" in kwargs:  # recorded on CPU (off); compile what a GPU of this target launches
-            kwargs = {**kwargs, "USE_PDL": target.arch >= 90, "launch_pdl": target.arch >= 90}
+            kwargs = kwargs | triton_pdl.launch_args(triton_pdl.supports_pdl(target.arch // 10))
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         key = (fn.__name__, str(specialization), str(options))

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from specserve.layers import triton_attention  # noqa: E402
+from specserve.layers import triton_attention, triton_pdl  # noqa: E402
 from specserve.layers.attention import build_attention_metadata  # noqa: E402
 
 KERNELS = ("_write_kv_kernel", "_decode_kernel", "_combine_splits_kernel", "_prefill_kernel")
@@ -83,9 +83,8 @@ def compile_launches(launches: list, target: GPUTarget) -> int:
     for fn, args, kwargs in launches:
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
         if "USE_PDL" in kwargs:  # recorded on CPU (off); compile what a GPU of this target launches
-            kwargs["USE_PDL"] = target.arch >= 90
-            kwargs.pop("launch_pdl", None)
-            options["launch_pdl"] = kwargs["USE_PDL"]
+            kwargs |= triton_pdl.launch_args(triton_pdl.supports_pdl(target.arch // 10))
+            options["launch_pdl"] = kwargs.pop("launch_pdl")
         bound = dict(zip(fn.arg_names, args)) | kwargs
         signature, constexprs = {}, {}
         for param in fn.params:

@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 STAGE = Path("/tmp/stage")
 WORK = Path("/tmp/work")
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-TRAIN_SOURCES = ["gpteacher", "gsm8k/train.jsonl.gz", "sharegpt", "t0", "wmt_ende_opennmt"]
+TRAIN_SOURCES = ["gpteacher", "gsm8k/train.jsonl.gz", "sharegpt", "t0", "wmt_ende_opennmt", "tasks"]
+TASK_PROMPTS = 6000  # conversations of train/task_prompts.py that split writes to data/tasks/
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
 
@@ -65,10 +66,12 @@ T0_TRAINED = ("adversarial_qa", "cnn_dailymail", "duorc", "quoref", "ropes")
 def split(part_mb: float, data_dir: Path) -> None:
     """Here, before the GPU calls: the cached GGUF into ``.carry/g1 .. gN/gguf.partNN`` of at most ``part_mb``
     MB each, and the prompt files gzipped into ``.carry/d/data`` in the layout ``TRAIN_SOURCES`` and
-    ``eval_prompts`` read (``data_dir``: the project's shared/data; T0 only the ``T0_TRAINED`` templates).
+    ``eval_prompts`` read (``data_dir``: the project's shared/data; T0 only the ``T0_TRAINED`` templates), and
+    ``TASK_PROMPTS`` task prompts (``train/task_prompts.py``: our templates around those sources' passages).
     With heads/ hidden (``benchmarks/device_tree.sh hide``) the tree is ~4 MB: one ``stage`` call per part,
     the last carrying ``.carry/d`` too (the warm machine keeps /tmp/stage between calls)."""
     from specserve.models.fetch import default_model_path
+    from specserve.train import task_prompts
 
     raw = default_model_path().read_bytes()
     part = int(part_mb * 1e6)
@@ -91,6 +94,7 @@ def split(part_mb: float, data_dir: Path) -> None:
         with open(src, "rb") as f, gzip.open(dst / f"{name}.gz", "wb") as g:
             shutil.copyfileobj(f, g)
     shutil.copy(data_dir / "humaneval/HumanEval.jsonl.gz", dst / "HumanEval.jsonl.gz")
+    task_prompts.write(task_prompts.build(data_dir, TASK_PROMPTS), dst / "tasks/task_prompts.jsonl.gz")
     print("parts", sorted(p.name for p in ROOT.glob(".carry/g*")), "data files", len(files) + 1)
 
 

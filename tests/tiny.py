@@ -33,14 +33,15 @@ def shape_for_tests(model) -> None:
 def tiny_engine(architecture: str = "llama", seed: int = 0, num_blocks: int = 256, block_size: int = 4,
                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, chunked: bool = True,
                 max_model_len: int = 512, sampler_seed: int = 0, spec: SpecConfig | None = None,
-                proposers: dict | None = None, quantization: str | None = None) -> LLMEngine:
+                proposers: dict | None = None, quantization: str | None = None,
+                quantize_lm_head: bool = False) -> LLMEngine:
     config = tiny_config(architecture)
     model = build_model(config, config.max_position_embeddings, torch.float32, torch.device("cpu"))
     _init_dummy(model, seed)
     shape_for_tests(model)
     if quantization is not None:
         from specserve.models.quantize import quantize_model
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, lm_head=quantize_lm_head)
     engine_config = EngineConfig(
         model="tiny", seed=sampler_seed, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

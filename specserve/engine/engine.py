@@ -158,7 +158,7 @@ class LLMEngine:
         model, model_config, tokenizer = load_model(config.model, config.dtype, torch.device(config.device),
                                                     config.scheduler.max_model_len, config.seed,
                                                     config.quantized_cpu_kernels, config.quantization,
-                                                    config.cpu_activation_quant)
+                                                    config.cpu_activation_quant, config.quantize_lm_head)
         return cls(config, model, model_config, tokenizer, metrics)
 
     # ---- requests ------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built in init_rope() once the device is known
         self._packed_head: torch.Tensor | None = None
         self._quant_head = None  # QuantizedWeight of the LM head, when the checkpoint has one
+        self.quantized_head: nn.Module | None = None  # FP8 / INT4 LM head (models/quantize.py, lm_head=True)
         self._head_activation_quant = "none"  # how the LM head's kernel takes the hidden states
         self.ops = TorchOps()
 
@@ -160,8 +161,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_head = pack_weight(weight)
+        if self.quantized_head is None:  # a quantized head runs its own kernel
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self._packed_head = pack_weight(weight)
 
     def init_rope(self, device: torch.device) -> None:
         """Build the rotary tables on ``device`` in the model's dtype (call after any ``.to(dtype)``)."""
@@ -244,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows, vocab_size] float32
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden).float()
         if self._quant_head is not None and use_quant_kernel(hidden.shape[0], self._head_activation_quant):
             return quant_linear(hidden, self._quant_head, None, self._head_activation_quant).float()
         if self._packed_head is not None:

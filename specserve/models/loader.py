@@ -54,13 +54,14 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 def load_model(model: str, dtype_name: str, device: torch.device, max_model_len: int | None = None,
                seed: int = 0, quantized_cpu_kernels: bool = True, quantization: str | None = None,
-               cpu_activation_quant: str = "none"):
+               cpu_activation_quant: str = "none", quantize_lm_head: bool = False):
     """Returns ``(model, model_config, tokenizer_or_None)``.
 
     ``model`` is a path to a .gguf file or a HF directory, "default" (the cached SmolLM2 GGUF), or
     "dummy:<shape>" (random weights; no tokenizer). With ``quantized_cpu_kernels``, a GGUF's Q4_1 / Q8_0
     matrices also stay in block form for the CPU kernel (fp32 on CPU only). ``quantization`` "fp8" / "int4"
-    quantizes the decoder layers' projections after loading (``models/quantize.py``); an AWQ checkpoint directory
+    quantizes the decoder layers' projections after loading (``models/quantize.py``), and the LM head too with
+    ``quantize_lm_head``; an AWQ checkpoint directory
     (4-bit "gemm", config.json ``quantization_config.quant_method == "awq"``) loads its projections as int4.
     The block-quantized CPU kernels take their activations as ``cpu_activation_quant`` ("none": float32; "q8":
     int8 per block of 32, see ``layers/quant_cpu.py``).
@@ -71,7 +72,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         max_pos = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
         net = build_model(config, max_pos, dtype, device)
         _init_dummy(net, seed)
-        _quantize(net, quantization)
+        _quantize(net, quantization, quantize_lm_head)
         net.pack_weights()
         return net, config, None
     if model == "default":
@@ -104,7 +105,7 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
         load_awq_projections(net, state, dtype)
     net.load_hf_state_dict(state)
     del state
-    _quantize(net, quantization)
+    _quantize(net, quantization, quantize_lm_head)
     net.pack_weights()
     if quantized and quantized_cpu_kernels and quantization is None and device.type == "cpu" \
             and dtype == torch.float32:
@@ -112,7 +113,9 @@ def load_model(model: str, dtype_name: str, device: torch.device, max_model_len:
     return net, config, tokenizer
 
 
-def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
+def _quantize(net: LlamaForCausalLM, quantization: str | None, lm_head: bool = False) -> None:
+    if lm_head and quantization is None:
+        raise ValueError("quantize_lm_head: needs a quantization method (--quantization fp8 or int4)")
     if quantization is not None:
         from specserve.models.quantize import quantize_model
-        quantize_model(net, quantization)
+        quantize_model(net, quantization, lm_head=lm_head)

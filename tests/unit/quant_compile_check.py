@@ -145,6 +145,12 @@ def table_calls(quick: bool):
                     triton_w4a16.w4a16_linear(x, qweight, groups, groups, None, split_k=4)
                 for m in (1, 33):
                     triton_w8a16.quantize_fp8_rows_triton(torch.zeros(m, k, dtype=dtype))
+        for n, k in quant_tiles.W8A16_TILES.by_shape:  # per-shape entries, on the e4m3 activations of the engine
+            w8 = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+            for m in w8_rows:
+                x_q, x_scale = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.ones(m, 1)
+                triton_w8a16.w8a16_linear(x_q, w8, torch.ones(n), None, act_quant="per_token_prequant",
+                                          x_scale=x_scale, out_dtype=torch.bfloat16)
                 if dtype in triton_gemv.GEMV_DTYPES:
                     w16 = torch.zeros(n, k, dtype=dtype)
                     for m in (1, 2, 3, 4):

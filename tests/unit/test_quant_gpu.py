@@ -261,6 +261,63 @@ def test_quantization_config_and_flag() -> None:
     assert engine_config_from_args(build_parser().parse_args(["serve"])).quantization is None
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # tied / untied LM head
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_quantized_lm_head_computes_the_quantized_maths(method: str, architecture: str) -> None:
+    """``--quantize-lm-head``: the logits are the reference maths of the method on the 16-bit head's weights
+    (per-channel e4m3 with per-token activations; int4 groups), the decoder layers are those of the default
+    quantized model, a tied embedding table is left as it was, an untied bf16 head is freed, and speculation
+    stays lossless against the quantized model."""
+    base = tiny_engine(architecture, quantization=method)
+    engine = tiny_engine(architecture, quantization=method, quantize_lm_head=True)
+    model, ref_model = engine.runner.model, base.runner.model
+    head_weight = ref_model.embed_tokens.weight if ref_model.lm_head is None else ref_model.lm_head.weight
+    assert isinstance(model.quantized_head, Fp8Linear if method == "fp8" else Int4Linear)
+    ids = prompts([23])[0]
+    n = len(ids)
+    hidden, _ = engine.runner.forward(ids, list(range(n)), [n], [n], [list(range(-(-n // 4)))])
+    ref_hidden, _ = base.runner.forward(ids, list(range(n)), [n], [n], [list(range(-(-n // 4)))])
+    torch.testing.assert_close(hidden, ref_hidden, rtol=0, atol=0)  # same decoder layers
+    got = model.compute_logits(hidden)  # [n, vocab] float32
+    if method == "fp8":
+        w_q, w_scale = quantize_fp8_rows(head_weight)
+        want = fp8_linear_reference(hidden, w_q, w_scale.reshape(1, -1), None).float()
+    else:
+        qweight, scales, zeros = quantize_int4(head_weight, int4_group_size_for(head_weight.shape[1]))
+        want = int4_linear_reference(hidden, qweight, scales, zeros, None).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = ref_model.compute_logits(ref_hidden)
+    rel = ((got - exact).norm() / exact.norm()).item()
+    assert 0 < rel < (0.1 if method == "fp8" else 0.3)
+    if architecture == "llama":  # tied: the table stays, in the model dtype, for the lookups
+        assert model.lm_head is None
+        torch.testing.assert_close(model.embed_tokens.weight, ref_model.embed_tokens.weight, rtol=0, atol=0)
+    else:
+        with pytest.raises(RuntimeError, match="quantized"):
+            _ = model.lm_head.weight
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model, method, lm_head=True)
+    ps = prompts(LENGTHS)
+    plain = [r.output_ids for r in engine.generate(ps, GREEDY)]
+    spec = tiny_engine(architecture, quantization=method, quantize_lm_head=True,
+                       spec=SpecConfig(method="ngram", num_spec_tokens=3)).generate(ps, GREEDY)
+    assert [r.output_ids for r in spec] == plain and sum(r.spec_counters.num_drafts for r in spec) > 0
+
+
+def test_quantize_lm_head_config_and_flag() -> None:
+    from specserve.cli import build_parser, engine_config_from_args
+    from specserve.models.loader import load_model
+    with pytest.raises(ValueError, match="^quantize_lm_head: "):
+        EngineConfig(quantize_lm_head=True)
+    with pytest.raises(ValueError, match="^quantize_lm_head: "):
+        load_model("dummy:smollm2-135m", "float32", torch.device("cpu"), 64, quantize_lm_head=True)
+    parse = build_parser().parse_args
+    assert engine_config_from_args(parse(["serve", "--quantization", "fp8", "--quantize-lm-head"])).quantize_lm_head
+    assert not engine_config_from_args(parse(["serve", "--quantization", "fp8"])).quantize_lm_head
+    with pytest.raises(ValueError, match="^quantize_lm_head: "):
+        engine_config_from_args(parse(["serve", "--quantize-lm-head"]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "int4"])
 def test_load_model_quantizes_a_dummy_checkpoint(method: str) -> None:

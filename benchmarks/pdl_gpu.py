@@ -5,7 +5,11 @@ case: the median step of each setting (graphs captured afresh for each, the sett
 times each), and whether the logits are bit for bit the same every way (eagerly and from the graphs). Asserts
 nothing; prints a table and writes JSON. ``benchmarks/results/pdl_gpu.json`` is the two-setting run (off / on).
 
+``--ab silu_fp8_split`` compares, the same way, the fused ``silu_and_mul_fp8`` as one program per row against its
+two launches over column blocks (``triton_ops.SILU_FP8_SPLIT_MAX_ROWS``) on FP8 decode and verify steps.
+
     python benchmarks/pdl_gpu.py --out $OUT/pdl_gpu.json
+    python benchmarks/pdl_gpu.py --ab silu_fp8_split --out $OUT/silu_fp8_split_gpu.json
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks.gpu_engine as ge  # noqa: E402
 from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
 from specserve.engine.model_runner import ModelRunner  # noqa: E402
-from specserve.layers import triton_pdl  # noqa: E402
+from specserve.layers import triton_ops, triton_pdl  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
 # (shape, quantization, batch, query_len): decode steps at batch 1 (bf16, fp8), issue 6's batch-32 decode and
@@ -50,12 +54,23 @@ def capture(runner: ModelRunner, batch: int) -> None:
     runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False), 2048, batch)
 
 
-# (triton_pdl.ENABLED, triton_pdl.EARLY_LAUNCH)
-SETTINGS = {"off": (False, False), "pdl": (True, False), "pdl_early": (True, True)}
+# FP8 decode at batch 1 and 8, a batch-1 verify of k = 5 drafts, and the default model's shape
+FP8_CASES = (("llama-3.1-8b", "fp8", 1, 1), ("llama-3.1-8b", "fp8", 1, 6), ("llama-3.1-8b", "fp8", 8, 1),
+             ("smollm2-135m", "fp8", 1, 1))
+# --ab name -> (setting -> {(module, attribute): value}, cases); the first setting is the baseline
+AB = {
+    "pdl": ({"off": {(triton_pdl, "ENABLED"): False, (triton_pdl, "EARLY_LAUNCH"): False},
+             "pdl": {(triton_pdl, "ENABLED"): True, (triton_pdl, "EARLY_LAUNCH"): False},
+             "pdl_early": {(triton_pdl, "ENABLED"): True, (triton_pdl, "EARLY_LAUNCH"): True}}, CASES),
+    "silu_fp8_split": ({"one_program": {(triton_ops, "SILU_FP8_SPLIT_MAX_ROWS"): 0},
+                        "split": {(triton_ops, "SILU_FP8_SPLIT_MAX_ROWS"): 16}}, FP8_CASES),
+}
+SETTINGS = AB["pdl"][0]
 
 
 def apply(setting: str) -> None:
-    triton_pdl.ENABLED, triton_pdl.EARLY_LAUNCH = SETTINGS[setting]
+    for (module, name), value in SETTINGS[setting].items():
+        setattr(module, name, value)
 
 
 def run_case(runner: ModelRunner, device: torch.device, batch: int, query_len: int, context: int, iters: int,
@@ -76,12 +91,13 @@ def run_case(runner: ModelRunner, device: torch.device, batch: int, query_len: i
             times[setting].append(ge.time_forward(runner, device, batch, context, query_len, iters))
             graph_logits[setting] = logits_of(runner, inputs, graphs=True)
     step = {s: statistics.median(t) for s, t in times.items()}
+    base = next(iter(SETTINGS))
     return {"batch": batch, "query_len": query_len, "context": context, "step_s": step,
-            "speedup_vs_off": {s: step["off"] / step[s] for s in SETTINGS if s != "off"},
+            "speedup_vs_base": {s: step[base] / step[s] for s in SETTINGS if s != base},
             "rounds_s": times,
-            "logits_equal_eager": all(torch.equal(eager["off"], v) for v in eager.values()),
-            "logits_equal_graph": all(torch.equal(graph_logits["off"], v) for v in graph_logits.values()),
-            "graph_equals_eager": bool(torch.equal(graph_logits["off"], eager["off"]))}
+            "logits_equal_eager": all(torch.equal(eager[base], v) for v in eager.values()),
+            "logits_equal_graph": all(torch.equal(graph_logits[base], v) for v in graph_logits.values()),
+            "graph_equals_eager": bool(torch.equal(graph_logits[base], eager[base]))}
 
 
 def main() -> int:
@@ -90,19 +106,25 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--ab", choices=sorted(AB), default="pdl", help="what to compare (see the module docstring)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "pdl_gpu.json"))
     args = ap.parse_args()
+    global SETTINGS
+    SETTINGS, cases = AB[args.ab]
+    defaults = {key: getattr(*key) for values in SETTINGS.values() for key in values}
     device, dtype = torch.device("cuda"), torch.bfloat16
     out = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
            "torch": torch.__version__, "definitions": {
         "step_s": "median over rounds of the median synced time of one graph replay of the target forward plus the "
                   "eager LM head (gpu_engine.time_forward)",
         "settings": "off: no PDL; pdl: each kernel waits, then lets the next launch; pdl_early: each lets the "
-                    "next launch, then waits (triton_pdl.EARLY_LAUNCH)",
-        "speedup_vs_off": "step_s[off] / step_s[setting]"}, "cases": []}
+                    "next launch, then waits (triton_pdl.EARLY_LAUNCH); one_program / split: silu_and_mul_fp8 as one "
+                    "program per row / two launches over column blocks (triton_ops.SILU_FP8_SPLIT_MAX_ROWS)",
+        "speedup_vs_base": "step_s[first setting] / step_s[setting] (pdl_gpu.json of stop 19 calls it speedup_vs_off)"},
+        "ab": args.ab, "cases": []}
     start = time.perf_counter()
     built = None
-    for shape, quant, batch, query_len in CASES:
+    for shape, quant, batch, query_len in cases:
         if built is None or built[0] != (shape, quant):
             built = None
             ge.free(device)
@@ -125,10 +147,11 @@ def main() -> int:
         out["cases"].append(row)
         print(f"{shape:14s} {row['quantization']:5s} b={batch:<3d} q={query_len}: "
               + "  ".join(f"{s} {t * 1e3:.3f} ms" for s, t in row["step_s"].items())
-              + "  x" + " x".join(f"{v:.3f}" for v in row["speedup_vs_off"].values())
+              + "  x" + " x".join(f"{v:.3f}" for v in row["speedup_vs_base"].values())
               + f"  equal eager/graph {row['logits_equal_eager']}/{row['logits_equal_graph']}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
-    apply("pdl")
+    for (module, name), value in defaults.items():  # as the modules had them
+        setattr(module, name, value)
     out["total_seconds"] = time.perf_counter() - start
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

@@ -84,6 +84,19 @@ SILU_BLOCK = 1024  # output columns per silu_and_mul program
 # silu_and_mul_fp8 (one program per row, for the row's amax): rows up to this many columns stay in registers
 # (Llama-3-8B's 14336 does); wider ones are computed twice, once for the amax and once to quantize.
 SILU_FP8_MAX_BLOCK = 16384
+# ... but one program per row leaves a row's ~30 operations per element (exp, two IEEE divisions, roundings) to a
+# single multiprocessor: 5.8 us for a Llama-3.1-8B row (14336 columns) on an H200, four times the unfused op's
+# 1.45 us (benchmarks/results/verify_profile_b1_fp8_gpu.json). Up to this many rows (decode and verify steps) of at
+# least SILU_FP8_SPLIT_MIN_COLS columns the fused op runs as two launches over SILU_FP8_SPLIT_BLOCK-column blocks
+# instead: silu_and_mul with each block's amax, then the quantizer taking the row amax from those partial ones.
+# Same operations on the same values (the 16-bit output is stored and read back exactly; a max of maxes is the
+# max), so the same bits. On the H200 (benchmarks/results/silu_fp8_split_gpu.json, graph-replayed steps, logits
+# bitwise equal, two runs) the Llama-3.1-8B FP8 step went x1.024 / x1.031 at batch 1, x0.985 / x1.023 for a batch-1
+# verify of 6 tokens, x1.010 / x1.010 at batch 8; SmolLM2's 1,536 columns went x0.978 / x0.985 (one program covers
+# them quickly and the second launch costs more), hence the column floor.
+SILU_FP8_SPLIT_MAX_ROWS = 16
+SILU_FP8_SPLIT_MIN_COLS = 4096
+SILU_FP8_SPLIT_BLOCK = 1024
 ROPE_TILE = 2048  # rotated elements per rope program: heads are split into blocks of ROPE_TILE // head_dim
 
 
@@ -202,6 +215,53 @@ def _silu_and_mul_fp8_kernel(
         for c0 in range(0, intermediate_size, BLOCK):
             of = _silu_mul(in_row, intermediate_size, c0 + offs).to(tl.float32)
             tl.store(q_row + c0 + offs, _fp8_quantize(of, scale), mask=c0 + offs < intermediate_size)
+
+
+@triton.jit
+def _silu_and_mul_amax_kernel(
+    gate_up_ptr,  # [num_rows, 2 * intermediate_size], row stride stride_in, columns contiguous
+    out_ptr,  # [num_rows, intermediate_size] contiguous
+    amax_ptr,  # [num_rows, num_blocks] fp32: each column block's amax of |out|
+    intermediate_size, stride_in, num_blocks,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
+):
+    """The first launch of the split ``silu_and_mul_fp8``: program (row, block) writes ``_silu_mul`` for BLOCK
+    columns, as ``_silu_and_mul_kernel`` does, and their amax (columns past the row give 0)."""
+    pdl_begin(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    out = _silu_mul(gate_up_ptr + row * stride_in, intermediate_size, cols)
+    tl.store(out_ptr + row * intermediate_size + cols, out, mask=cols < intermediate_size)
+    tl.store(amax_ptr + row * num_blocks + block, tl.max(tl.abs(out.to(tl.float32)), axis=0))
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    x_ptr,  # [num_rows, num_cols] contiguous, the activation dtype
+    amax_ptr,  # [num_rows, num_blocks] fp32 partial amaxes of |x| (``_silu_and_mul_amax_kernel``)
+    q_ptr,  # [num_rows, num_cols] float8_e4m3fn contiguous
+    scale_ptr,  # [num_rows] fp32 (the [num_rows, 1] scale column)
+    num_cols, num_blocks,
+    BLOCK: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr,  # next power of two >= num_blocks
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
+):
+    """The second launch: program (row, block) takes the row's scale from its partial amaxes (``_fp8_scale``;
+    block 0 stores it) and quantizes BLOCK columns with it (``_fp8_quantize``), the one-program kernel's maths."""
+    pdl_begin(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    parts = tl.arange(0, BLOCKS_POW2)
+    amax = tl.max(tl.load(amax_ptr + row * num_blocks + parts, mask=parts < num_blocks, other=0.0), axis=0)
+    scale = _fp8_scale(amax)
+    if block == 0:
+        tl.store(scale_ptr + row, scale)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    xf = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * num_cols + cols, _fp8_quantize(xf, scale), mask=mask)
 
 
 @triton.jit
@@ -415,7 +475,8 @@ class TritonOps(TorchOps):
         write_out: bool = False,
     ) -> Fp8Activations:  # x_q [num_tokens, intermediate_size] e4m3, scale [num_tokens, 1]; x only if write_out
         """``silu_and_mul`` and the fused FP8 quantizer in one launch, one program per row (the amax needs the
-        whole row): ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.silu_and_mul(gate_up))``."""
+        whole row), or for a few wide rows in two launches over column blocks (``SILU_FP8_SPLIT_MAX_ROWS``):
+        ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.silu_and_mul(gate_up))`` either way."""
         if gate_up.dtype not in KERNEL_DTYPES or not _rows_ok(gate_up) or gate_up.shape[-1] % 2:
             return self._quantized(self.silu_and_mul(gate_up), write_out)
         num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -424,6 +485,19 @@ class TritonOps(TorchOps):
         if num_rows == 0 or inter == 0:
             scale.fill_(1e-12)
             return Fp8Activations(x_q, scale, gate_up.dtype, out)
+        if num_rows <= SILU_FP8_SPLIT_MAX_ROWS and inter >= SILU_FP8_SPLIT_MIN_COLS:
+            block = min(SILU_FP8_SPLIT_BLOCK, _next_pow2(inter))
+            blocks = triton.cdiv(inter, block)
+            if out is None:
+                out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+            amax = torch.empty((num_rows, blocks), dtype=torch.float32, device=gate_up.device)
+            _silu_and_mul_amax_kernel[(num_rows, blocks)](
+                gate_up, out, amax, inter, gate_up.stride(0), blocks, BLOCK=block, num_warps=_num_warps(block),
+                **pdl_args(gate_up.device))
+            _quantize_blocks_kernel[(num_rows, blocks)](
+                out, amax, x_q, scale, inter, blocks, BLOCK=block, BLOCKS_POW2=_next_pow2(blocks),
+                num_warps=_num_warps(block), **pdl_args(gate_up.device))
+            return Fp8Activations(x_q, scale, gate_up.dtype, out if write_out else None)
         block = min(_next_pow2(inter), SILU_FP8_MAX_BLOCK)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             gate_up, gate_up if out is None else out, x_q, scale, inter, gate_up.stride(0),  # never stored to

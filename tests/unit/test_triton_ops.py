@@ -317,7 +317,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_ops_compile_check.py"),
                              "--fp8"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "41 kernel variants compiled for sm_90" in result.stdout
+    assert "47 kernel variants compiled for sm_90" in result.stdout
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
@@ -409,8 +409,13 @@ def test_fused_fp8_norm_is_the_norm_then_the_quantizer(dtype, rows, hidden, resi
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("rows", FP8_ROWS)
 @pytest.mark.parametrize("intermediate, max_block", [(64, 16384), (300, 16384), (1024, 16384), (300, 128)])
-def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, monkeypatch):
+@pytest.mark.parametrize("split", [False, True])  # one program per row / two launches over column blocks
+def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, split,
+                                                             monkeypatch):
     monkeypatch.setattr(triton_ops, "SILU_FP8_MAX_BLOCK", max_block)  # 128: three chunks, two passes
+    monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_MAX_ROWS", 64 if split else 0)
+    monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_MIN_COLS", 1)
+    monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_BLOCK", min(max_block, 256))  # 300 columns: two blocks
     gen = torch.Generator().manual_seed(rows + intermediate)
     gate_up = _fp8_rows(gen, rows, 2 * intermediate, dtype, extra_cols=5)
     ops = TritonOps()

@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from specserve.layers import triton_ops  # noqa: E402
 from tests.unit.triton_compile_check import Recorder, compile_launches  # noqa: E402
 
-KERNELS = ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_silu_and_mul_fp8_kernel")
+KERNELS = ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_silu_and_mul_fp8_kernel",
+           "_silu_and_mul_amax_kernel", "_quantize_blocks_kernel")
 # (hidden, intermediate, num_heads, num_kv_heads, head_dim): SmolLM2-135M, Llama-3.1-8B, Qwen2.5-0.5B (14/2/64)
 SHAPES = [(576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128), (896, 4864, 14, 2, 64)]
 
@@ -44,7 +45,8 @@ def run_ops_on_cpu(hidden: int, intermediate: int, num_heads: int, num_kv_heads:
     if fp8:  # the fused FP8 activation quantizer variants (what an FP8 model's layers call)
         ops.rms_norm_fp8(x, weight, 1e-5)
         ops.fused_add_rms_norm_fp8(x, torch.zeros_like(x), weight, 1e-5)
-        ops.silu_and_mul_fp8(torch.zeros(num_tokens, 2 * intermediate, dtype=dtype))
+        for rows in (num_tokens, triton_ops.SILU_FP8_SPLIT_MAX_ROWS + 1):  # two launches / one program per row
+            ops.silu_and_mul_fp8(torch.zeros(rows, 2 * intermediate, dtype=dtype))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,7 +181,7 @@ def test_compute_logits_routes_through_dense_linear(monkeypatch) -> None:
                         lambda x, w, b=None, float_out=False: seen.append((w, float_out)) or F.linear(x, w, b).float())
     model = llama.LlamaForCausalLM.__new__(llama.LlamaForCausalLM)
     torch.nn.Module.__init__(model)
-    model._quant_head, model._packed_head, model.lm_head = None, None, None
+    model._quant_head, model._packed_head, model.lm_head, model.quantized_head = None, None, None, None
     model.embed_tokens = torch.nn.Embedding(10, 8)
     logits = model.compute_logits(torch.randn(2, 8))
     assert logits.shape == (2, 10) and logits.dtype == torch.float32

@@ -67,8 +67,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = INT4_GROUP_S
     if lm_head:
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         model.quantized_head = quantize_weight(weight, None, method, group_size, use_kernel)
-        if model.lm_head is not None:
-            model.lm_head = None if model.config.tie_word_embeddings else _NoWeights()
+        if model.lm_head is not None:  # untied: its 16-bit weights go (a tied head is the embedding table)
+            model.lm_head = _NoWeights()
         count += 1
     model.quantization = method
     return count

@@ -37,7 +37,10 @@ import random
 import re
 from pathlib import Path
 
-# category -> (template, slot) pairs; the slot names a kind of content (``SLOTS``)
+from specserve.train.data import _records
+
+# category -> (template, slot) pairs; the slot names the content (``_content``): a passage kind of
+# ``load_passages``, "snippet" (a passage's first sentences) or "sentence" (a WMT sentence)
 TEMPLATES: dict[str, list[tuple[str, str]]] = {
     "writing": [
         ("Write a blog post of about 300 words inspired by the following text.\n\n{text}", "snippet"),
@@ -118,11 +121,7 @@ FOLLOW_UPS = [
 T0_DIR = "t0_sum_qa"
 WMT_FILE = "wmt_ende_opennmt/src-train.en.txt"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _rows(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+SNIPPET_KINDS = ("wiki", "news", "science")  # passage kinds a "snippet" slot draws from
 
 
 def _clip(text: str, max_chars: int) -> str:
@@ -154,23 +153,23 @@ def load_passages(data_dir: str | Path, max_chars: int = 1500) -> dict[str, list
             found[kind].add(_clip(text, max_chars))
 
     for path in sorted(t0.glob("adversarial_qa_*_based_on.jsonl")):
-        for r in _rows(path):
+        for r in _records(path):
             add("wiki", r["prompt"].split("Context: ", 1)[-1])
     for path in sorted(t0.glob("quoref_Guess_Title_For_Context.jsonl")):
-        for r in _rows(path):
+        for r in _records(path):
             body = r["prompt"].split("Given the below context:\n\n", 1)[-1]
             add("wiki", body.rsplit("\n\nGuess a valid title", 1)[0])
     for path in sorted(t0.glob("ropes_*.jsonl")):
-        for r in _rows(path):
+        for r in _records(path):
             m = re.search(r"background: (.*?)\n\nNow, I have a new situation", r["prompt"], re.S)
             if m:
                 add("science", m.group(1))
     for path in sorted(t0.glob("cnn_dailymail_*.jsonl")):
-        for r in _rows(path):
+        for r in _records(path):
             if "Article: " in r["prompt"]:
                 add("news", r["prompt"].split("Article: ", 1)[1])
     for path in sorted(t0.glob("duorc_*.jsonl")):
-        for r in _rows(path):
+        for r in _records(path):
             if "movie plot: " in r["prompt"]:
                 add("plot", r["prompt"].split("movie plot: ", 1)[1])
     return {kind: sorted(texts) for kind, texts in found.items()}
@@ -193,10 +192,10 @@ def _content(slot: str, passages: dict[str, list[str]], sentences: list[str], rn
     if slot == "sentence":
         return rng.choice(sentences), "wmt"
     if slot == "snippet":
-        kind = rng.choice([k for k in ("wiki", "news", "science") if passages[k]])
+        kind = rng.choice([k for k in SNIPPET_KINDS if passages[k]])
         parts = _SENTENCE_END.split(rng.choice(passages[kind]))
         return " ".join(parts[:rng.randint(1, 3)]), kind
-    if slot in ("science",):  # short backgrounds: the first two sentences carry the idea
+    if slot == "science":  # short backgrounds: the first two sentences carry the idea
         return " ".join(_SENTENCE_END.split(rng.choice(passages[slot]))[:2]), slot
     return rng.choice(passages[slot]), slot
 
@@ -206,7 +205,7 @@ def build(data_dir: str | Path, n: int, seed: int = 0, follow_up_fraction: float
     template and content each; deterministic in ``seed``. Templates whose content kind is missing are skipped."""
     passages = load_passages(data_dir)
     sentences = load_sentences(data_dir)
-    available = {"sentence": bool(sentences), "snippet": any(passages[k] for k in ("wiki", "news", "science")),
+    available = {"sentence": bool(sentences), "snippet": any(passages[k] for k in SNIPPET_KINDS),
                  **{k: bool(v) for k, v in passages.items()}}
     usable = {cat: [t for t in ts if available[t[1]]] for cat, ts in TEMPLATES.items()}
     categories = [c for c, ts in usable.items() if ts]

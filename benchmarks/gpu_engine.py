@@ -569,6 +569,13 @@ def print_table(d: dict) -> None:
         print(f"errors in: {', '.join(d['errors'])}")
 
 
+def load_gemm_table(path: str) -> dict:
+    """``{"N,K": {"M": TileConfig fields or null}}`` -> ``quant_tiles.BF16_GEMM_TILES``'s form."""
+    from specserve.layers.quant_tiles import TileConfig
+    return {tuple(int(v) for v in key.split(",")): {int(m): TileConfig(**c) if c else None for m, c in b.items()}
+            for key, b in json.loads(Path(path).read_text()).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_engine.json, else benchmarks/results)")
@@ -576,8 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens: check the wiring (CPU ok)")
     ap.add_argument("--time-budget-s", type=float, default=400.0,
                     help="optional parts (compiled HF generate) are skipped once this much time has passed")
+    ap.add_argument("--bf16-gemm-table", default=None,
+                    help="JSON of quant_tiles.BF16_GEMM_TILES entries to use instead of the module's (as "
+                         "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
     args = ap.parse_args(argv)
     import os
+    if args.bf16_gemm_table:
+        from specserve.layers import quant_tiles
+        quant_tiles.BF16_GEMM_TILES = load_gemm_table(args.bf16_gemm_table)
     if args.out is None:
         args.out = str(Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_engine.json")
     device = torch.device(args.device)
@@ -595,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_len, args.e2e_prompt_len, args.new_tokens = 32, 16, 12
         args.decode_steps, args.forward_iters, args.kv_gib, args.prefill_budget = 3, 2, 0.25, 512
     rep = Report(" ".join(["python", *sys.argv]), args.out)
+    if args.bf16_gemm_table:
+        rep.data["bf16_gemm_table"] = json.loads(Path(args.bf16_gemm_table).read_text())
     rep.section("machine", machine_section, rep, device)
     rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
     rep.section("decode_and_verify", decode_section, rep, args, device, dtype)

@@ -12,7 +12,9 @@ every row count, prefill included.
 On CUDA, 16-bit weights can take a Triton GEMV (``layers/triton_gemv.py``) instead of cuBLAS for a few rows:
 ``dense_linear`` routes ``0 < M <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows of weights of at least
 ``BF16_GEMV_MIN_WEIGHT`` elements (read at call time; the default is one row, as timed on the H200; 0 keeps
-``F.linear`` everywhere). ``Linear.forward`` and the LM head (``LlamaForCausalLM.compute_logits``) call it."""
+``F.linear`` everywhere). Verify-sized row counts of the weight shapes listed in ``quant_tiles.BF16_GEMM_TILES``
+take the Triton tensor-core GEMM (``layers/triton_gemm.py``; empty by default: cuBLAS). ``Linear.forward`` and the
+LM head (``LlamaForCausalLM.compute_logits``) call it."""
 
 from __future__ import annotations
 
@@ -56,7 +58,9 @@ def dense_linear(
     """``F.linear``, or the Triton 16-bit GEMV (``triton_gemv.gemv_linear``: fp32 sums, one rounding) for
     ``0 < num_rows <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows on a ``GEMV_DEVICE_TYPES`` device when the weight has
     at least ``quant_tiles.BF16_GEMV_MIN_WEIGHT`` elements and the operands fit it (2D x, contiguous bf16 / fp16
-    weight of x's dtype). ``BF16_GEMV_MAX_ROWS = 0`` makes this exactly ``F.linear``.
+    weight of x's dtype). ``BF16_GEMV_MAX_ROWS = 0`` makes this exactly ``F.linear``. Rows and weight shapes
+    with a ``quant_tiles.BF16_GEMM_TILES`` entry (``bf16_gemm_config``) take the Triton tensor-core GEMM
+    (``triton_gemm.gemm_linear``) instead of cuBLAS.
 
     ``float_out`` (the LM head): the result in float32. The GEMV and, on CUDA, cuBLAS (``torch.mm`` with
     ``out_dtype``) write their fp32 sums directly, without the 16-bit rounding and the separate ``.float()``
@@ -69,6 +73,12 @@ def dense_linear(
         from specserve.layers import triton_gemv  # lazily: Triton only where it runs
         if triton_gemv.gemv_supported(x, weight, bias):
             return triton_gemv.gemv_linear(x, weight, bias, out_dtype=out_dtype)
+    if x.dim() == 2 and x.device.type in GEMV_DEVICE_TYPES and weight.dim() == 2:
+        config = quant_tiles.bf16_gemm_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if config is not None:
+            from specserve.layers import triton_gemm  # lazily: Triton only where it runs
+            if triton_gemm.gemm_supported(x, weight, bias):
+                return triton_gemm.gemm_linear(x, weight, bias, config=config, out_dtype=out_dtype)
     if not float_out or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
     if x.device.type == "cuda" and x.dim() == 2 and bias is None:

@@ -36,6 +36,9 @@ class TileConfig:
       tile to finish adds them in a fixed order: deterministic, no second kernel).
     - ``num_warps`` / ``num_stages``: Triton launch options (warps per program, software-pipelining depth of
       the loads that feed ``tl.dot``).
+    - ``group_m`` / ``tma`` (the 16-bit GEMM, ``layers/triton_gemm.py``, only): row tiles per group of the
+      program order (neighbouring programs share a weight tile), and operand loads through the tensor memory
+      accelerator instead of pointer loads.
     - ``fp8_dot`` (W8A16 on e4m3 activations only): the tensor cores multiply the e4m3 weight and activation
       tiles as they are (an fp8 MMA), instead of converting both to fp16 in registers first; the weight tiles
       then stream through shared memory in ``num_stages`` stages without touching the registers.
@@ -49,11 +52,15 @@ class TileConfig:
     block_m: int = 0
     use_dot: bool = True
     fp8_dot: bool = False
+    group_m: int = 8
+    tma: bool = False
 
     def describe(self) -> str:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
-                f"use_dot={self.use_dot}" + (", fp8_dot=True)" if self.fp8_dot else ")"))
+                f"use_dot={self.use_dot}" + (", fp8_dot=True" if self.fp8_dot else "")
+                + (f", group_m={self.group_m}" if self.group_m != 8 else "") + (", tma=True" if self.tma else "")
+                + ")")
 
 
 @dataclass
@@ -161,3 +168,22 @@ BF16_GEMV_TILES = TileTable(
 # on the H200: fused_bitwise). On: with asynchronous decode steps the b=1 FP8 step went from 3.33 to 3.24 ms
 # (benchmarks/results/fp8_b1_session13.json; under a per-step device sync it had measured no gain).
 FUSE_FP8_ACT_QUANT = True
+
+# bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row
+# buckets (an entry serves previous bucket < M <= bucket; the first serves BF16_GEMM_MIN_ROWS < M <= it) -> the
+# configuration, or None for cuBLAS. Shapes and row counts without an entry keep cuBLAS. Only shapes where
+# benchmarks/triton_gemm_gpu.py timed the kernel faster than cuBLAS belong here. Empty: on the H200 cuBLAS won on
+# every Llama-3.1-8B weight at M = 256 and all but gate_up at M = 128 (x1.04 there, no measurable step gain;
+# benchmarks/results/triton_gemm_gpu.json).
+BF16_GEMM_MIN_ROWS = 64
+BF16_GEMM_TILES: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
+
+
+def bf16_gemm_config(m: int, n: int, k: int) -> TileConfig | None:
+    """``BF16_GEMM_TILES``'s configuration for M rows of an (N, K) weight, or None (cuBLAS): no entry for the
+    shape, M <= ``BF16_GEMM_MIN_ROWS``, M above the shape's largest bucket, or a None entry."""
+    table = BF16_GEMM_TILES.get((n, k))
+    if not table or m <= BF16_GEMM_MIN_ROWS:
+        return None
+    bucket = next((b for b in sorted(table) if m <= b), None)
+    return None if bucket is None else table[bucket]

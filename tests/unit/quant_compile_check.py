@@ -1,6 +1,7 @@
 """Compile the quantized-GEMM Triton kernels for a GPU target on a machine without one (Triton ships ptxas): the
 W8A16 GEMM and the FP8 activation quantizer (``layers/triton_w8a16.py``), the W4A16 GEMM
-(``layers/triton_w4a16.py``) and the 16-bit-weight GEMV (``layers/triton_gemv.py``). The interpreter that runs
+(``layers/triton_w4a16.py``), the 16-bit-weight GEMV (``layers/triton_gemv.py``) and tensor-core GEMM
+(``layers/triton_gemm.py``). The interpreter that runs
 the unit tests never type-checks, lays out or lowers a kernel, so a kernel can pass every interpreted test and
 still fail to compile.
 
@@ -36,12 +37,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from specserve.layers import quant_tiles, triton_gemv, triton_pdl, triton_w4a16, triton_w8a16  # noqa: E402
+from specserve.layers import quant_tiles, triton_gemm, triton_gemv, triton_pdl, triton_w4a16, triton_w8a16  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_kernel"),
-           (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"))
+           (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"), (triton_gemm, "_gemm_kernel"))
 
 
 class Recorder:
@@ -160,6 +161,14 @@ def table_calls(quick: bool):
                         cfg = quant_tiles.BF16_GEMV_TILES.lookup(m, n, k)
                         triton_gemv.gemv_linear(x, w16, None, config=_replace(cfg, split_k=3))
                         triton_gemv.gemv_linear(x[:, :k - 8], w16[:, :k - 8].contiguous(), None)  # ragged K
+        for (n, k), buckets in quant_tiles.BF16_GEMM_TILES.items():  # per-shape tensor-core GEMM entries
+            w16 = torch.zeros(n, k, dtype=torch.bfloat16)
+            for m, cfg in buckets.items():
+                if cfg is not None:
+                    x = torch.zeros(m, k, dtype=torch.bfloat16)
+                    triton_gemm.gemm_linear(x, w16, None, config=cfg)
+                    triton_gemm.gemm_linear(x, w16, None, config=cfg, out_dtype=torch.float32)
+                    triton_gemm.gemm_linear(x, w16, None, config=_replace(cfg, tma=not cfg.tma))
     return calls
 
 
@@ -188,6 +197,13 @@ def sweep_calls():
             w16 = torch.zeros(n, k, dtype=torch.bfloat16)
             for cfg in bench.bf16_gemv_sweep(m):
                 triton_gemv.gemv_linear(x, w16, None, config=cfg)
+        spec = importlib.util.spec_from_file_location("triton_gemm_gpu", ROOT / "benchmarks" / "triton_gemm_gpu.py")
+        gemm_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gemm_bench)
+        x, w16 = torch.zeros(256, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+        for cfg in gemm_bench.gemm_sweep():  # the tensor-core GEMM's sweep, bf16 and float32 (LM head) output
+            triton_gemm.gemm_linear(x, w16, None, config=cfg)
+            triton_gemm.gemm_linear(x, w16, None, config=cfg, out_dtype=torch.float32)
     return calls
 
 

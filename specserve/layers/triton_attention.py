@@ -50,6 +50,16 @@ MIN_KEYS_PER_SPLIT = 256
 # Keys per decode tile for heads of 128 or more (TritonAttentionBackend.decode_tile_keys).
 DECODE_BLOCK_N_WIDE_HEADS = 128
 MAX_AUTO_SPLITS = 16
+# When the (sequence, kv head) programs of a decode step are fewer than the SMs, automatic split counts aim at
+# this many (sequence, kv head, split) programs per SM; with at least one per SM, no split. Timed on the H200
+# (benchmarks/results/attention_sweep_gpu.json, KV streamed from HBM, per layer): Llama-3.1-8B shape at batch 8,
+# 8 splits 11.9 / 25.0 / 72.4 us at contexts 512 / 2048 / 8192 against 13.6 / 33.1 / 97.6 with the 2 of one program
+# per SM; batch 16, 4 splits 16.9 / 41.6 / 130.4 against 18.6 / 54.5 / 187.6 unsplit; SmolLM2 shape at batch 32,
+# 4 or 8 splits 10.3-10.7 / 21.4-22.7 at 512 / 2048 against 12.8 / 37.6 unsplit. At Llama batch 32 (256 programs)
+# splits only cost (8-token verify rows: 43.8 us with 2 against 30.4).
+DECODE_SPLIT_WAVES = 4
+# Key tiles in flight per decode program (Triton's num_stages for the decode kernel's loop).
+DECODE_STAGES = 2
 
 
 def _next_pow2(n: int) -> int:
@@ -322,6 +332,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+def auto_splits(programs: int, sms: int) -> int:
+    """Split-KV count for ``programs`` (sequence, kv head) decode programs on ``sms`` multiprocessors: 1 when they
+    cover the SMs, else ``DECODE_SPLIT_WAVES`` programs per SM, at most ``MAX_AUTO_SPLITS``."""
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_AUTO_SPLITS, DECODE_SPLIT_WAVES * sms // max(programs, 1)))
+
+
 def _num_warps(block_m: int, head_dim_pad: int) -> int:
     return 4 if block_m * head_dim_pad <= 64 * 128 else 8
 
@@ -334,7 +352,7 @@ class TritonAttentionBackend:
     long); an integer fixes it, which a CUDA-graph runner should do so that a captured step keeps its launch
     grid. ``block_n``: keys per tile (a power of two, at least 16); ``decode_block_n`` overrides it for the decode
     kernel (default: ``decode_tile_keys``). ``decode_warps``: warps per decode program (None: 4, or 8 for query
-    tiles over 64 x 128).
+    tiles over 64 x 128). ``decode_stages``: key tiles in flight per decode program (``DECODE_STAGES``).
 
     For CUDA graphs, ``prepare_static`` builds the same index set from device tensors of a fixed shape (a padded
     uniform batch, see ``engine/cuda_graphs.py``) and pins the step's ``num_splits``."""
@@ -342,7 +360,7 @@ class TritonAttentionBackend:
     capturable = True
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None,
-                 decode_block_n: int | None = None) -> None:
+                 decode_block_n: int | None = None, decode_stages: int = DECODE_STAGES) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         if block_n < 16 or block_n & (block_n - 1):
@@ -355,12 +373,19 @@ class TritonAttentionBackend:
         if decode_block_n is not None and (decode_block_n < 16 or decode_block_n & (decode_block_n - 1)):
             raise ValueError(f"decode_block_n must be a power of two >= 16, got {decode_block_n}")
         self.decode_block_n = decode_block_n
+        if decode_stages < 1:
+            raise ValueError(f"decode_stages must be >= 1, got {decode_stages}")
+        self.decode_stages = decode_stages  # software-pipelining depth of the decode kernel's key-tile loads
 
     def decode_tile_keys(self, head_dim_pad: int) -> int:
         """Keys per tile of the decode kernel: ``decode_block_n``, else ``DECODE_BLOCK_N_WIDE_HEADS`` for heads of
         128 or more (timed on the H200, benchmarks/results/attention_tiles_gpu.json: Llama-3.1-8B shape, one
         layer, CUDA graph, 11.9 vs 13.0 us at batch 1, 28.0 vs 30.0 at batch 32, 31.9 vs 33.6 for 8-token verify
-        rows), else ``block_n``."""
+        rows), else ``block_n``. SmolLM2's 64-wide heads were faster with 128 keys too at context 2048 (7.4 vs 8.3
+        us at batch 1, benchmarks/results/attention_sweep_gpu.json) but not at 512 (5.4 vs 5.3), and the one
+        gpu_engine.py run with them (gpu_engine_decode_tile128_small_heads.json) read the default model's batch-1
+        throughput at 940 tok/s, below the 949-975 of earlier runs: left at ``block_n`` until a side-by-side run
+        settles it."""
         if self.decode_block_n is not None:
             return self.decode_block_n
         return DECODE_BLOCK_N_WIDE_HEADS if head_dim_pad >= 128 else self.block_n
@@ -433,15 +458,16 @@ class TritonAttentionBackend:
                 raise ValueError(f"prepare_static: {name} must be contiguous")
 
     def graph_num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-        """Splits for a captured step of ``num_seqs`` sequences when none is configured: enough (sequence, kv
-        head, split) programs to cover the SMs, at most ``MAX_AUTO_SPLITS``. The context length is not known at
-        capture; a short context leaves splits empty, which exit after a few instructions."""
+        """Splits for a captured step of ``num_seqs`` sequences when none is configured (``auto_splits``). The
+        context length is not known at capture; a short context leaves splits empty, which exit after a few
+        instructions.
+        None when the unsplit programs already cover the SMs. Example, 132 SMs, 8 kv heads: batch 1 -> 16 splits
+        (capped), 4 -> 16, 8 -> 8, 16 -> 4, 17 and more -> 1."""
         if self.num_splits is not None:
             return self.num_splits
         if device.type != "cuda":  # the interpreter (tests): no SMs to fill
             return 1
-        programs = num_seqs * num_kv_heads
-        return max(1, min(MAX_AUTO_SPLITS, _sm_count(device) // programs))
+        return auto_splits(num_seqs * num_kv_heads, _sm_count(device))
 
     def decode_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
         """Key-range splits for this step's short sequences (host arithmetic only)."""
@@ -452,12 +478,8 @@ class TritonAttentionBackend:
             return self.num_splits
         if device.type != "cuda" or extra["num_short"] == 0:
             return 1
-        programs = extra["num_short"] * num_kv_heads
-        sms = _sm_count(device)
-        if programs >= sms:
-            return 1
         by_length = extra["max_short_seq_len"] // MIN_KEYS_PER_SPLIT
-        return max(1, min(MAX_AUTO_SPLITS, triton.cdiv(sms, programs), by_length))
+        return max(1, min(auto_splits(extra["num_short"] * num_kv_heads, _sm_count(device)), by_length))
 
     def forward(
         self,
@@ -519,7 +541,7 @@ class TritonAttentionBackend:
                 num_heads, num_splits, head_dim, qk_scale,
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad), BLOCK_SIZE=block_size,
                 HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
-                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=2,
+                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=self.decode_stages,
                 **pdl_args(q.device))
             if split:
                 _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](

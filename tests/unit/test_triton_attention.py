@@ -271,9 +271,23 @@ def test_decode_tile_keys_by_head_size_and_override():
     backend = TritonAttentionBackend()
     assert backend.decode_tile_keys(128) == DECODE_BLOCK_N_WIDE_HEADS == 128 and backend.decode_tile_keys(64) == 64
     assert TritonAttentionBackend(decode_block_n=32).decode_tile_keys(128) == 32
-    for bad in (dict(decode_block_n=48), dict(decode_warps=3)):
+    for bad in (dict(decode_block_n=48), dict(decode_warps=3), dict(decode_stages=0)):
         with pytest.raises(ValueError):
             TritonAttentionBackend(**bad)
     context_lens = [126, 127, 128, 129, 200]
     check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128)
     check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128, decode_block_n=32, num_splits=3)
+
+
+def test_auto_splits_fill_the_sms_only_when_programs_are_fewer():
+    """``auto_splits``: no split once the (sequence, kv head) programs cover the SMs; below that about
+    ``DECODE_SPLIT_WAVES`` programs per SM, capped at ``MAX_AUTO_SPLITS`` (132 SMs, Llama's 8 kv heads and
+    SmolLM2's 3)."""
+    from specserve.layers.triton_attention import DECODE_SPLIT_WAVES, MAX_AUTO_SPLITS, auto_splits
+    assert DECODE_SPLIT_WAVES == 4 and MAX_AUTO_SPLITS == 16
+    assert [auto_splits(b * 8, 132) for b in (1, 4, 8, 16, 17, 32)] == [16, 16, 8, 4, 1, 1]
+    assert [auto_splits(b * 3, 132) for b in (1, 8, 32, 44, 64)] == [16, 16, 5, 1, 1]
+    for programs in range(1, 300):
+        splits = auto_splits(programs, 132)
+        assert 1 <= splits <= MAX_AUTO_SPLITS
+        assert splits == 1 or programs * splits <= DECODE_SPLIT_WAVES * 132

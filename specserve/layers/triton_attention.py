@@ -381,11 +381,10 @@ class TritonAttentionBackend:
         """Keys per tile of the decode kernel: ``decode_block_n``, else ``DECODE_BLOCK_N_WIDE_HEADS`` for heads of
         128 or more (timed on the H200, benchmarks/results/attention_tiles_gpu.json: Llama-3.1-8B shape, one
         layer, CUDA graph, 11.9 vs 13.0 us at batch 1, 28.0 vs 30.0 at batch 32, 31.9 vs 33.6 for 8-token verify
-        rows), else ``block_n``. SmolLM2's 64-wide heads were faster with 128 keys too at context 2048 (7.4 vs 8.3
-        us at batch 1, benchmarks/results/attention_sweep_gpu.json) but not at 512 (5.4 vs 5.3), and the one
-        gpu_engine.py run with them (gpu_engine_decode_tile128_small_heads.json) read the default model's batch-1
-        throughput at 940 tok/s, below the 949-975 of earlier runs: left at ``block_n`` until a side-by-side run
-        settles it."""
+        rows), else ``block_n``. SmolLM2's 64-wide heads were as fast or faster with 128 keys as well (context 384-512:
+        within 1%; 2048: 7.4 vs 8.3 us at batch 1, 21.6 vs 24.4 at batch 32; benchmarks/results/
+        attention_sweep_gpu.json) but have no end-to-end A/B yet (one gpu_engine.py run with them and one
+        without both read ~940 tok/s at batch 1, so that figure tells nothing), so they keep ``block_n``."""
         if self.decode_block_n is not None:
             return self.decode_block_n
         return DECODE_BLOCK_N_WIDE_HEADS if head_dim_pad >= 128 else self.block_n

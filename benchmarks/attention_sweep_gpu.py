@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks.gpu_engine as ge  # noqa: E402
 from benchmarks.attention_gpu import BLOCK_SIZE, make_batch, own_meta, split_qkv  # noqa: E402
 from specserve.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 
@@ -43,32 +43,15 @@ def settings(default_splits: int) -> list[dict]:
 
 
 def time_graph(backend: TritonAttentionBackend, meta, q, k, v, caches) -> tuple[float, torch.Tensor]:
-    """Microseconds per forward: a graph of one forward per cache copy, median of 5 replays."""
+    """(microseconds per forward: a graph of one forward per cache copy (ge.graph_time_s), the output of one)."""
     meta = own_meta(meta)
     backend.prepare(meta, BLOCK_SIZE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            out = backend.forward(q, k, v, *caches[0], meta)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    out = backend.forward(q, k, v, *caches[0], meta).clone()
+
+    def body() -> None:
         for kc, vc in caches:
             backend.forward(q, k, v, kc, vc, meta)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(caches))
-    del graph
-    return statistics.median(times), out.clone()
+    return ge.graph_time_s(body) * 1e6 / len(caches), out
 
 
 def run_case(shape: str, batch: int, context: int, query_len: int) -> dict:

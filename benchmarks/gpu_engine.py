@@ -229,15 +229,40 @@ def time_graph_replay(engine: LLMEngine, batch: int, iters: int = 20) -> float |
     step = graphs.steps.get((bucket, 1, ())) if bucket is not None else None
     if step is None or step.graph is None:
         return None
+    return median_replay_s(step.graph, iters)  # the last step's inputs: the same shapes, KV to the same slots
+
+
+def median_replay_s(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    """Median seconds of one replay of ``graph`` (CUDA events around each of ``replays`` replays)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(iters):  # replays the last step's inputs: the same shapes, KV written to the same slots
+    for _ in range(replays):
         start.record()
-        step.graph.replay()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def graph_time_s(body, replays: int = 5) -> float:
+    """Median seconds of a CUDA graph of ``body()``: run once on a side stream (compiles, warms the allocator),
+    captured, replayed once, then ``median_replay_s``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    try:
+        return median_replay_s(graph, replays)
+    finally:
+        del graph
 
 
 class Report:

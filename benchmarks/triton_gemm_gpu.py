@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,31 +62,12 @@ def llama8b_shapes() -> dict[str, tuple[int, int, bool]]:
 
 
 def time_calls(calls: list, reps: int) -> float:
-    """Seconds per call: a CUDA graph of ``reps`` passes over ``calls``, median of 5 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compile / autotune outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Seconds per call: a CUDA graph of ``reps`` passes over ``calls`` (ge.graph_time_s)."""
+    def body() -> None:
         for _ in range(reps):
             for call in calls:
                 call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (reps * len(calls)))
-    del graph
-    return statistics.median(times)
+    return ge.graph_time_s(body) / (reps * len(calls))
 
 
 def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int) -> dict:

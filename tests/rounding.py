@@ -22,3 +22,22 @@ def assert_rounded_from(
     bound = slack + half_ulp
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g} (err {err.max().item():.3g})"
     return slack.min().item()
+
+
+def linear_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, device: torch.device):
+    """Seeded operands of a 16-bit linear: x ``[m, k]`` ~ N(0, 1), W ``[n, k]`` ~ N(0, 1/k) (outputs O(1)), bias
+    ``[n]`` ~ N(0, 1) or None; drawn on CPU, then moved to ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x.to(device), w.to(device), None if b is None else b.to(device)
+
+
+def fp64_linear(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K]
+    b: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] fp64: x @ W.T + b exactly (up to fp64 rounding)
+    out = x.double() @ w.double().t()
+    return out if b is None else out + b.double()

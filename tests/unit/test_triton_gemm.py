@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specserve.layers import linear as linear_mod
 from specserve.layers import quant_tiles
 from specserve.layers.quant_tiles import TileConfig, bf16_gemm_config
-from tests.rounding import assert_rounded_from
+from tests.rounding import assert_rounded_from, fp64_linear, linear_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":  # before anything imports triton: its jit functions read TRITON_INTERPRET when defined
@@ -44,16 +44,7 @@ def gemm():
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)  # [N, K]
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
-    return x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)
-
-
-def _fp64(x, w, b):  # [M, K], [N, K], [N] -> [M, N] fp64
-    out = x.double() @ w.double().t()
-    return out if b is None else out + b.double()
+    return linear_case(m, n, k, dtype, bias, seed, DEVICE)
 
 
 @pytest.mark.parametrize("cfg", [PTR, TMA], ids=["pointers", "tma"])
@@ -67,7 +58,7 @@ def test_gemm_equals_fp64_reference(gemm, cfg: TileConfig, m: int, dtype: torch.
         x, w, b = _case(m, 70, k, dtype, bias, seed=m + k)
         out = gemm.gemm_linear(x, w, b, config=cfg)
         assert out.dtype == dtype and out.shape == (m, 70)
-        assert_rounded_from(out, _fp64(x, w, b))
+        assert_rounded_from(out, fp64_linear(x, w, b))
 
 
 @pytest.mark.parametrize("cfg", [PTR, TMA], ids=["pointers", "tma"])
@@ -76,7 +67,7 @@ def test_gemm_float_out_keeps_the_fp32_sums(gemm, cfg: TileConfig) -> None:
     x, w, _ = _case(33, 40, 64, torch.bfloat16, False, seed=5)
     out = gemm.gemm_linear(x, w, config=cfg, out_dtype=torch.float32)
     assert out.dtype == torch.float32
-    assert_rounded_from(out, _fp64(x, w, None))
+    assert_rounded_from(out, fp64_linear(x, w, None))
     assert not torch.equal(out, out.to(torch.bfloat16).float())
 
 
@@ -87,7 +78,7 @@ def test_gemm_strided_x_falls_back_from_tma(gemm) -> None:
     x = wide[:, 1:65]  # [20, 64]
     w = w[:, :64].contiguous()
     assert not gemm._tma_ok(x)
-    assert_rounded_from(gemm.gemm_linear(x, w, b, config=TMA), _fp64(x, w, b))
+    assert_rounded_from(gemm.gemm_linear(x, w, b, config=TMA), fp64_linear(x, w, b))
 
 
 def test_gemm_rejects_mismatched_operands(gemm) -> None:
@@ -131,11 +122,11 @@ def test_routing_takes_listed_shapes_and_buckets_only(gemm, monkeypatch) -> None
             x = torch.randn(m, 64, device=DEVICE).to(torch.bfloat16)
             out = layer(x)
             if 32 < m <= 64:
-                assert_rounded_from(out, _fp64(x, layer.weight, layer.bias))
+                assert_rounded_from(out, fp64_linear(x, layer.weight, layer.bias))
             else:
                 assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
             assert torch.equal(linear_mod.dense_linear(x, other), F.linear(x, other))
         logits = linear_mod.dense_linear(x[:40], layer.weight, float_out=True)
     assert calls == [33, 64, 40]
     assert logits.dtype == torch.float32
-    assert_rounded_from(logits, _fp64(x[:40], layer.weight, None))
+    assert_rounded_from(logits, fp64_linear(x[:40], layer.weight, None))

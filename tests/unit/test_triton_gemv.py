@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from specserve.layers import linear as linear_mod
 from specserve.layers import quant_tiles
 from specserve.layers.quant_tiles import BF16_GEMV_TILES, TileConfig, override
-from tests.rounding import assert_rounded_from
+from tests.rounding import assert_rounded_from, fp64_linear, linear_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":  # before anything imports triton: its jit functions read TRITON_INTERPRET when defined
@@ -45,16 +45,7 @@ def gemv():
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)  # [N, K]
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
-    return x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)
-
-
-def _fp64(x, w, b):  # [M, K], [N, K], [N] -> [M, N] fp64
-    out = x.double() @ w.double().t()
-    return out if b is None else out + b.double()
+    return linear_case(m, n, k, dtype, bias, seed, DEVICE)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
@@ -65,7 +56,7 @@ def test_gemv_equals_fp64_reference(gemv, m: int, dtype: torch.dtype, bias: bool
     EVEN_K on; split K off (1) and forced (2: 48 + 32 of K = 80)."""
     for k in (80, 96):
         x, w, b = _case(m, 37, k, dtype, bias, seed=m + k)
-        ref = _fp64(x, w, b)
+        ref = fp64_linear(x, w, b)
         for split in (1, 2):
             out = gemv.gemv_linear(x, w, b, config=TileConfig(16, 32, 4, 1, split_k=split, use_dot=False))
             assert out.dtype == dtype and out.shape == (m, 37)
@@ -85,7 +76,7 @@ def test_gemv_split_k_auto_is_deterministic_and_leaves_counters_zero(gemv) -> No
     assert torch.count_nonzero(counters).item() == 0
     second = gemv.gemv_linear(x, w, b, config=cfg, counters=counters)
     assert torch.equal(first, second)
-    assert_rounded_from(first, _fp64(x, w, b))
+    assert_rounded_from(first, fp64_linear(x, w, b))
 
 
 def test_gemv_table_lookup_and_strided_x(gemv) -> None:
@@ -96,7 +87,7 @@ def test_gemv_table_lookup_and_strided_x(gemv) -> None:
     w = w[:, :128].contiguous()
     with override(BF16_GEMV_TILES, {4: CFG}):
         out = gemv.gemv_linear(x, w, b)
-    assert_rounded_from(out, _fp64(x, w, b))
+    assert_rounded_from(out, fp64_linear(x, w, b))
 
 
 def test_gemv_rejects_mismatched_operands(gemv) -> None:
@@ -155,7 +146,7 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
             x = torch.randn(m, 64, device=DEVICE).to(dtype)
             out = layer(x)
             if m <= 3:
-                assert_rounded_from(out, _fp64(x, layer.weight, layer.bias))
+                assert_rounded_from(out, fp64_linear(x, layer.weight, layer.bias))
             else:
                 assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
         assert calls == [1, 2, 3]
@@ -170,7 +161,7 @@ def test_routing_honours_max_rows(gemv, monkeypatch, dtype: torch.dtype, bias: b
         head = torch.randn(50, 64, device=DEVICE).to(dtype)  # an LM head / embedding weight [vocab, hidden]
         out = linear_mod.dense_linear(x.to(dtype), head)
         assert calls == [1, 2, 3, 2]
-        assert_rounded_from(out, _fp64(x.to(dtype), head, None))
+        assert_rounded_from(out, fp64_linear(x.to(dtype), head, None))
 
 
 def test_compute_logits_routes_through_dense_linear(monkeypatch) -> None:
@@ -201,7 +192,7 @@ def test_float_out_skips_the_16_bit_rounding(gemv, monkeypatch, m: int) -> None:
         out = linear_mod.dense_linear(x, w, float_out=True)
         rounded = linear_mod.dense_linear(x, w)
     assert out.dtype == torch.float32 and out.shape == (m, 37)
-    ref = _fp64(x, w, None)
+    ref = fp64_linear(x, w, None)
     if m == 1:
         assert_rounded_from(out, ref)
         assert torch.equal(out.to(torch.bfloat16), rounded)  # the same sums, rounded once more

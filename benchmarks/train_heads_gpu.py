@@ -143,7 +143,7 @@ def train(args) -> None:
     prompts = [str(data / s) for s in TRAIN_SOURCES]
     common = dict(draft_vocab_size=args.draft_vocab, max_new_tokens=args.max_new_tokens, max_seq_len=1024,
                   max_batch_tokens=args.batch_tokens, epochs=100.0, lr=args.lr, warmup_steps=30,
-                  dataset_answers=args.dataset_answers, eval_every=args.eval_every)
+                  dataset_answers=args.dataset_answers, eval_every=args.eval_every, weight_decay=args.weight_decay)
     reports = {}
     eagle = TrainDraftConfig(method="eagle3", num_layers=1, ttt_steps=7, max_generate_seconds=args.gen_seconds,
                              max_train_seconds=args.train_seconds, total_steps=args.total_steps,
@@ -540,6 +540,7 @@ def main() -> int:
     ap.add_argument("--memory-fraction", type=float, default=0.0,
                     help="train: cap this process's share of GPU memory (several processes training side by side)")
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="train: AdamW weight decay (TrainDraftConfig)")
     ap.add_argument("--per-file", type=int, default=800)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--peagle-layers", type=int, default=4)

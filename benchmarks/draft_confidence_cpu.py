@@ -27,13 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.eagle_tf_check import DATA, eval_prompts, read_jsonl  # noqa: E402
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.models.fetch import default_model_path  # noqa: E402
-from specserve.models.loader import load_model  # noqa: E402
+from benchmarks.eagle_tf_check import DATA, cpu_engine_with_head, eval_prompts, read_jsonl  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
-from specserve.spec.eagle3 import load_eagle_proposer  # noqa: E402
 from specserve.train.chain_attention import ChainAttentionBackend, ChainMeta, layer_states  # noqa: E402
 from specserve.train.trainer import TrainOps, _shift, target_outputs  # noqa: E402
 
@@ -90,13 +85,8 @@ def main() -> int:
     args = ap.parse_args()
     start = time.perf_counter()
     device = torch.device("cpu")
-    model, config, tok = load_model(str(default_model_path()), "float32", device, 2048)
-    engine_cfg = EngineConfig(device="cpu", cache=CacheConfig(kv_cache_memory_gib=1.0),
-                              scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096,
-                                                        max_model_len=2048))
-    probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
-    head = load_eagle_proposer("eagle3", args.head, model, config, probe.runner.num_blocks, 16, device).head
-    engine = probe
+    model, config, tok, engine, proposer = cpu_engine_with_head("eagle3", args.head, device, speculate=False)
+    head = proposer.head
     head.set_ops(TrainOps())
     draft_ids = torch.arange(len(head.d2t)) + head.d2t.long()  # d2t holds draft index -> target id offsets
     t2d_index = torch.full((config.vocab_size,), -1, dtype=torch.int64)

@@ -51,6 +51,21 @@ def eval_prompts(n: int) -> dict[str, list[str]]:
     }
 
 
+def cpu_engine_with_head(method: str, head_dir: str, device: torch.device, speculate: bool = True):
+    """(model, config, tokenizer, engine, proposer): the default model in fp32 on CPU and the head loaded as its
+    ``method`` proposer; the engine serves it (``speculate``) or runs without proposers."""
+    model, config, tok = load_model(str(default_model_path()), "float32", device, 2048)
+    engine_cfg = EngineConfig(device="cpu", cache=CacheConfig(kv_cache_memory_gib=1.0),
+                              scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096,
+                                                        max_model_len=2048))
+    probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
+    proposer = load_eagle_proposer(method, head_dir, model, config, probe.runner.num_blocks, 16, device)
+    if not speculate:
+        return model, config, tok, probe, proposer
+    del probe
+    return model, config, tok, LLMEngine(engine_cfg, model, config, tok, proposers={method: proposer}), proposer
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("head", help="EAGLE-3 head directory (speculators format)")
@@ -61,14 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     device = torch.device("cpu")
-    model, config, tok = load_model(str(default_model_path()), "float32", device, 2048)
-    engine_cfg = EngineConfig(device="cpu", cache=CacheConfig(kv_cache_memory_gib=1.0),
-                              scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096,
-                                                        max_model_len=2048))
-    probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
-    proposer = load_eagle_proposer(args.method, args.head, model, config, probe.runner.num_blocks, 16, device)
-    del probe
-    engine = LLMEngine(engine_cfg, model, config, tok, proposers={args.method: proposer})
+    model, config, tok, engine, proposer = cpu_engine_with_head(args.method, args.head, device)
     head = proposer.head
     draft_ids = torch.arange(len(head.d2t)) + head.d2t.long()  # d2t holds draft index -> target id offsets
     # P-EAGLE: every answer position an anchor (an answer here is at most max_tokens long)

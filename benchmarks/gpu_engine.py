@@ -594,11 +594,11 @@ def print_table(d: dict) -> None:
         print(f"errors in: {', '.join(d['errors'])}")
 
 
-def load_gemm_table(path: str) -> dict:
-    """``{"N,K": {"M": TileConfig fields or null}}`` -> ``quant_tiles.BF16_GEMM_TILES``'s form."""
+def gemm_table(raw: dict) -> dict:
+    """``{"N,K": {"M": TileConfig fields or null}}`` (parsed JSON) -> ``quant_tiles.BF16_GEMM_TILES``'s form."""
     from specserve.layers.quant_tiles import TileConfig
     return {tuple(int(v) for v in key.split(",")): {int(m): TileConfig(**c) if c else None for m, c in b.items()}
-            for key, b in json.loads(Path(path).read_text()).items()}
+            for key, b in raw.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,9 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                          "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
     args = ap.parse_args(argv)
     import os
-    if args.bf16_gemm_table:
+    gemm_table_json = json.loads(Path(args.bf16_gemm_table).read_text()) if args.bf16_gemm_table else None
+    if gemm_table_json is not None:
         from specserve.layers import quant_tiles
-        quant_tiles.BF16_GEMM_TILES = load_gemm_table(args.bf16_gemm_table)
+        quant_tiles.BF16_GEMM_TILES = gemm_table(gemm_table_json)
     if args.out is None:
         args.out = str(Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_engine.json")
     device = torch.device(args.device)
@@ -633,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_len, args.e2e_prompt_len, args.new_tokens = 32, 16, 12
         args.decode_steps, args.forward_iters, args.kv_gib, args.prefill_budget = 3, 2, 0.25, 512
     rep = Report(" ".join(["python", *sys.argv]), args.out)
-    if args.bf16_gemm_table:
-        rep.data["bf16_gemm_table"] = json.loads(Path(args.bf16_gemm_table).read_text())
+    if gemm_table_json is not None:
+        rep.data["bf16_gemm_table"] = gemm_table_json
     rep.section("machine", machine_section, rep, device)
     rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
     rep.section("decode_and_verify", decode_section, rep, args, device, dtype)

@@ -459,9 +459,8 @@ class TritonAttentionBackend:
     def graph_num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         """Splits for a captured step of ``num_seqs`` sequences when none is configured (``auto_splits``). The
         context length is not known at capture; a short context leaves splits empty, which exit after a few
-        instructions.
-        None when the unsplit programs already cover the SMs. Example, 132 SMs, 8 kv heads: batch 1 -> 16 splits
-        (capped), 4 -> 16, 8 -> 8, 16 -> 4, 17 and more -> 1."""
+        instructions. Example, 132 SMs, 8 kv heads: batch 1 -> 16 splits (capped), 4 -> 16, 8 -> 8, 16 -> 4,
+        17 and more -> 1 (the unsplit programs already cover the SMs)."""
         if self.num_splits is not None:
             return self.num_splits
         if device.type != "cuda":  # the interpreter (tests): no SMs to fill

@@ -22,18 +22,13 @@ from specserve.layers.quant_gpu import INT4_GROUP_SIZE, Fp8Linear, Int4Linear, f
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
-def quantize_linear(linear: nn.Linear, method: str, group_size: int = INT4_GROUP_SIZE,
-                    use_kernel: bool | None = None) -> nn.Module:
-    """The quantized replacement of one bf16/fp32 ``Linear``; ``use_kernel`` None: the GPU kernel on GPU tensors."""
-    return quantize_weight(linear.weight, linear.bias, method, group_size, use_kernel)
-
-
 def quantize_weight(
     weight: torch.Tensor,  # [out_features, in_features] bf16 / fp32
     bias: torch.Tensor | None,  # [out_features] or None
     method: str, group_size: int = INT4_GROUP_SIZE, use_kernel: bool | None = None,
 ) -> nn.Module:
-    """``method``'s quantized projection computing ``x @ weight.T (+ bias)``."""
+    """``method``'s quantized projection computing ``x @ weight.T (+ bias)`` (a layer's ``Linear`` or the LM head);
+    ``use_kernel`` None: the GPU kernel on GPU tensors."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     if method == "fp8":
@@ -62,7 +57,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = INT4_GROUP_S
             linear = getattr(parent, name)
             if not isinstance(linear, Linear):
                 raise ValueError(f"quantization: {parent_name}.{name} is already {type(linear).__name__}")
-            setattr(parent, name, quantize_linear(linear, method, group_size, use_kernel))
+            setattr(parent, name, quantize_weight(linear.weight, linear.bias, method, group_size, use_kernel))
             count += 1
     if lm_head:
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -143,7 +143,8 @@ def train(args) -> None:
     prompts = [str(data / s) for s in TRAIN_SOURCES]
     common = dict(draft_vocab_size=args.draft_vocab, max_new_tokens=args.max_new_tokens, max_seq_len=1024,
                   max_batch_tokens=args.batch_tokens, epochs=100.0, lr=args.lr, warmup_steps=30,
-                  dataset_answers=args.dataset_answers, eval_every=args.eval_every, weight_decay=args.weight_decay)
+                  dataset_answers=args.dataset_answers, eval_every=args.eval_every, weight_decay=args.weight_decay,
+                  hard_label_weight=args.hard_label_weight)
     reports = {}
     eagle = TrainDraftConfig(method="eagle3", num_layers=1, ttt_steps=7, max_generate_seconds=args.gen_seconds,
                              max_train_seconds=args.train_seconds, total_steps=args.total_steps,
@@ -351,8 +352,10 @@ def evaluate(args) -> None:
                      "greedy": True, "results": {}}
     flat = [(name, p) for name, ps in ids.items() for p in ps]
 
-    def measure(method: str, k: int) -> dict:
-        reqs = engine.generate([p for _, p in flat], params, SpecParams(method, k))
+    def measure(method: str, k: int, temperature: float = 0.0) -> dict:
+        run = params if not temperature else SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
+                                                            seed=0)
+        reqs = engine.generate([p for _, p in flat], run, SpecParams(method, k))
         per = {}
         for name in ids:
             rs = [r for (n, _), r in zip(flat, reqs) if n == name]
@@ -372,6 +375,11 @@ def evaluate(args) -> None:
             measured[cand] = measure("eagle3", 5)
             print(f"candidate {cand} k=5: " + ", ".join(f"{n} AL {v['mean_acceptance_length']:.3f}"
                                                           for n, v in measured[cand].items()), flush=True)
+            if args.sampled_temperature:  # what a head's labels do to sampled (rejection-sampling) verification
+                sampled = measure("eagle3", 5, args.sampled_temperature)
+                results.setdefault("candidates_k5_sampled", {})[cand] = sampled
+                print(f"candidate {cand} k=5 T={args.sampled_temperature}: " + ", ".join(
+                    f"{n} AL {v['mean_acceptance_length']:.3f}" for n, v in sampled.items()), flush=True)
         best = max(candidates, key=lambda c: measured[c]["mt_bench"]["mean_acceptance_length"])
         results["candidates_k5"] = measured
         results["eagle3_dir"] = best
@@ -541,11 +549,15 @@ def main() -> int:
                     help="train: cap this process's share of GPU memory (several processes training side by side)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0, help="train: AdamW weight decay (TrainDraftConfig)")
+    ap.add_argument("--hard-label-weight", type=float, default=0.0,
+                    help="train: label mass moved onto the target's argmax (TrainDraftConfig.hard_label_weight)")
     ap.add_argument("--per-file", type=int, default=800)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--peagle-layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--gsm8k-limit", type=int, default=200)
+    ap.add_argument("--sampled-temperature", type=float, default=0.0,
+                    help="eval, several --eagle3-dir: also each candidate's k = 5 AL at this temperature (seed 0)")
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--heads", type=Path, default=None)
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3", help="speed: the head (repo path)")

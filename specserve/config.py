@@ -251,6 +251,11 @@ class TrainDraftConfig:
     ttt_steps: int = 7  # EAGLE-3 training-time-test depth (draft positions trained)
     ttt_anchors: int = 256  # EAGLE-3: sampled anchors per sequence trained past draft 1 (0: every position)
     step_weight_decay: float = 0.8  # loss weight of draft position s is decay ** s
+    # labels: (1 - w) * the target's distribution + w * one-hot on its argmax (rows whose argmax is in the draft
+    # vocabulary). Greedy verification accepts a draft only when it is the target's argmax, so w > 0 spends the
+    # head's capacity on the argmax rather than on the target's full distribution where the target is unsure;
+    # w < 1 keeps the head's distribution near the target's for sampled verification. 0: soft labels only
+    hard_label_weight: float = 0.0
     num_spec_tokens: int = 7  # P-EAGLE slots trained (draft positions 1..num_spec_tokens)
     anchors_per_seq: int = 128  # P-EAGLE: sampled anchor positions per sequence per pass
     anchor_chunk: int = 64  # P-EAGLE: anchors per forward/backward (memory bound of long sequences)
@@ -295,6 +300,7 @@ class TrainDraftConfig:
                  "more than one answer needs sampling_temperature > 0 (further answers are sampled)")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
+        _require(0.0 <= self.hard_label_weight <= 1.0, "hard_label_weight", "must be in [0, 1]")
         _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
         _require(self.total_steps >= 0, "total_steps", "must be >= 0 (0: from epochs or the time budget)")

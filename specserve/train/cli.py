@@ -11,9 +11,9 @@ from specserve.config import TrainDraftConfig
 _FLAGS = ("method", "num_layers", "head_intermediate_size", "draft_vocab_size", "max_new_tokens", "max_turns",
           "sampled_fraction", "sampling_temperature", "answers_per_conversation", "answers_per_source",
           "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len", "max_batch_tokens", "ttt_steps",
-          "ttt_anchors", "num_spec_tokens", "anchors_per_seq", "anchor_chunk", "peagle_chain_weight",
-          "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples", "max_generate_seconds",
-          "max_train_seconds", "total_steps", "seed")
+          "ttt_anchors", "hard_label_weight", "num_spec_tokens", "anchors_per_seq", "anchor_chunk",
+          "peagle_chain_weight", "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
+          "max_generate_seconds", "max_train_seconds", "total_steps", "seed")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,9 @@ sequence, slots ``1 .. k - 1`` take the learned mask token and the learned share
 time (one forward/backward each, gradients accumulated) so memory stays bounded for long sequences.
 
 Labels are the target's distribution over the draft vocabulary at the predicted position (soft cross-entropy,
-renormalised over the draft vocabulary); accuracy is top-1 agreement with the target's argmax.
+renormalised over the draft vocabulary), optionally moved part way onto its argmax (``hard_label_weight``: greedy
+verification accepts only the argmax; cf. DistillSpec, Zhou et al., arXiv 2310.08461, on choosing the
+divergence for the decoding strategy); accuracy is top-1 agreement with the target's argmax.
 """
 
 from __future__ import annotations
@@ -141,8 +143,12 @@ class TargetOut:
 
 @torch.no_grad()
 def target_outputs(target, tokens: torch.Tensor, aux_layer_ids: tuple[int, ...], draft_ids: torch.Tensor,
-                   t2d_index: torch.Tensor, chunk_rows: int = 4096) -> TargetOut:
-    """One causal target forward over the batch: its aux features and its next-token distribution."""
+                   t2d_index: torch.Tensor, chunk_rows: int = 4096, hard_label_weight: float = 0.0) -> TargetOut:
+    """One causal target forward over the batch: its aux features and its next-token distribution (tokens
+    [B, T]; draft_ids [draft_vocab]; t2d_index [vocab], -1 outside the draft vocabulary). ``hard_label_weight``
+    w moves w of each row's label mass onto the target's argmax where that token is in the draft vocabulary
+    (``TrainDraftConfig.hard_label_weight``), e.g. w = 0.5, p = (0.4, 0.35, 0.25) with argmax 0 -> (0.7, 0.175,
+    0.125)."""
     B, T = tokens.shape
     n = B * T
     backend = ChainAttentionBackend()
@@ -153,8 +159,13 @@ def target_outputs(target, tokens: torch.Tensor, aux_layer_ids: tuple[int, ...],
     probs, arg = [], []
     for r in range(0, n, chunk_rows):
         logits = target.compute_logits(hidden[r:r + chunk_rows]).float()  # [rows, vocab]
-        probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
-        arg.append(t2d_index[logits.argmax(dim=-1)])
+        p = torch.softmax(logits[:, draft_ids], dim=-1)  # [rows, draft_vocab]
+        a = t2d_index[logits.argmax(dim=-1)]  # [rows]
+        if hard_label_weight > 0:
+            w = (a >= 0).float() * hard_label_weight  # [rows]; a row whose argmax is not draftable stays soft
+            p.mul_(1 - w[:, None]).scatter_add_(1, a.clamp(min=0)[:, None], w[:, None])
+        probs.append(p)
+        arg.append(a)
     return TargetOut(features, torch.cat(probs).reshape(B, T, -1), torch.cat(arg).reshape(B, T))
 
 
@@ -489,7 +500,7 @@ class Trainer:
     def _loss(self, batch: Batch, train: bool, run_lengths=None) -> tuple[list[torch.Tensor], StepStats]:
         cfg = self.cfg
         tgt = target_outputs(self.target, batch.tokens, self.head.config.aux_layer_ids, self.draft_ids,
-                             self.t2d_index)
+                             self.t2d_index, hard_label_weight=cfg.hard_label_weight)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if cfg.method == "eagle3":
                 anchors = sample_anchors(batch, cfg.ttt_anchors, self.gen) if cfg.ttt_anchors else None

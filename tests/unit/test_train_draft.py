@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specserve.config import TrainDraftConfig
@@ -365,6 +365,40 @@ def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path, method: str) -
     if method == "peagle":  # the mask token's own row learned, away from the target's row it started from
         mask_id = trainer.head.config.mask_token_id
         assert not torch.allclose(trainer.head.mask_embedding, target_embed[mask_id])
+
+
+@settings(max_examples=6, deadline=None)
+@given(w=st.floats(0.0, 1.0))
+@example(w=1.0)
+def test_hard_label_weight_moves_label_mass_onto_the_argmax(tmp_path_factory, w: float) -> None:
+    trainer, engine = tiny_trainer("eagle3", tmp_path_factory.mktemp("hard"))
+    batch = collate(greedy_samples(engine, 2), 64, torch.device("cpu"))
+    args = (trainer.target, batch.tokens, trainer.head.config.aux_layer_ids, trainer.draft_ids, trainer.t2d_index)
+    soft, mixed = target_outputs(*args), target_outputs(*args, hard_label_weight=w)
+    assert torch.equal(soft.argmax, mixed.argmax) and torch.equal(soft.features, mixed.features)
+    inside = soft.argmax >= 0  # [B, T]; the draft vocabulary is every other id, so some rows fall outside
+    assert inside.any() and (~inside).any()
+    onehot = torch.zeros_like(soft.probs)
+    onehot[inside] = torch.nn.functional.one_hot(soft.argmax[inside], soft.probs.shape[-1]).float()
+    expected = torch.where(inside[..., None], (1 - w) * soft.probs + w * onehot, soft.probs)
+    torch.testing.assert_close(mixed.probs, expected)
+    torch.testing.assert_close(mixed.probs.sum(-1), soft.probs.sum(-1))  # still distributions
+    if w == 1.0:  # pure hard labels: the soft cross-entropy is the usual cross-entropy on the argmax
+        logits = torch.randn(*soft.probs.shape, generator=torch.Generator().manual_seed(0))
+        hard = torch.nn.functional.cross_entropy(logits[inside], soft.argmax[inside])
+        torch.testing.assert_close(_soft_ce(logits, mixed.probs, inside.float()), hard)
+
+
+def test_hard_label_weight_is_checked_and_reaches_the_loss(tmp_path) -> None:
+    with pytest.raises(ValueError, match="hard_label_weight"):
+        TrainDraftConfig(hard_label_weight=1.5)
+    losses = []
+    for w in (0.0, 1.0):
+        trainer, engine = tiny_trainer("eagle3", tmp_path / str(w), hard_label_weight=w)
+        batch = collate(greedy_samples(engine, 2), 64, torch.device("cpu"))
+        trainer.gen.manual_seed(0)
+        losses.append(float(trainer._loss(batch, train=False)[0][0].detach()))
+    assert losses[0] != pytest.approx(losses[1], rel=1e-3)
 
 
 def test_fit_resumes_from_its_checkpoint(tmp_path) -> None:

@@ -199,22 +199,36 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
     1 + num_spec_tokens: a verify step) for ``batch`` requests with ``context`` cached tokens each. The forward
     replays the runner's CUDA graph for (batch bucket, query_len) when it has graphs (captured on first use, in
     the warm-up), as the engine's decode and verify steps do; eagerly otherwise."""
-    ids, positions, query_lens, seq_lens, tables = forward_inputs(runner, batch, context, query_len)
-    lens = (query_lens, seq_lens)
-    graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
-    times = []
-    for i in range(iters + warmup):
-        sync(device)
-        t0 = time.perf_counter()
-        if graphs is not None:
-            hidden, _ = graphs.run(ids, positions, *lens, tables)
-        else:
-            hidden, _ = runner.forward(ids, positions, *lens, tables)
-        runner.model.compute_logits(hidden)
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_forwards(runner, device, batch, context, (query_len,), iters, 1, warmup)[query_len]
+
+
+@torch.inference_mode()
+def time_forwards(runner: ModelRunner, device: torch.device, batch: int, context: int, query_lens: tuple[int, ...],
+                  iters: int, rounds: int, warmup: int = 3) -> dict[int, float]:
+    """``time_forward`` for several query lengths, interleaved: after each one's warm-up, ``rounds`` rounds each
+    time ``iters`` forwards of every query length in turn, so a drift of the GPU's clocks or of the host over the
+    measurement reaches every length alike (their ratios are the figures). Median of the ``rounds * iters`` times
+    of each length."""
+    calls = {}
+    for q in query_lens:
+        ids, positions, q_lens, seq_lens, tables = forward_inputs(runner, batch, context, q)
+        lens = (q_lens, seq_lens)
+        graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
+        run = graphs.run if graphs is not None else runner.forward
+        calls[q] = (lambda run=run, ids=ids, positions=positions, lens=lens, tables=tables:
+                    runner.model.compute_logits(run(ids, positions, *lens, tables)[0]))
+        for _ in range(warmup):
+            calls[q]()
+    times: dict[int, list[float]] = {q: [] for q in query_lens}
+    for _ in range(rounds):
+        for q in query_lens:
+            for _ in range(iters):
+                sync(device)
+                t0 = time.perf_counter()
+                calls[q]()
+                sync(device)
+                times[q].append(time.perf_counter() - t0)
+    return {q: statistics.median(t) for q, t in times.items()}
 
 
 @torch.inference_mode()
@@ -343,9 +357,9 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     ver: dict = {"context": args.prompt_len, "by_batch": {}}
     rep.data["verify"] = ver
     for b in args.verify_batches:
-        row = {"forward_s": {}}
-        for q in (1, 2, 4, 8):
-            row["forward_s"][str(q)] = time_forward(runner, device, b, args.prompt_len, q, args.forward_iters)
+        timed = time_forwards(runner, device, b, args.prompt_len, (1, 2, 4, 8), args.forward_iters,
+                              args.forward_rounds)
+        row = {"forward_s": {str(q): t for q, t in timed.items()}}
         row["vs_decode"] = {q: t / row["forward_s"]["1"] for q, t in row["forward_s"].items()}
         ver["by_batch"][str(b)] = row
         print(f"verify b={b:3d}: " + ", ".join(f"q={q} {t * 1e3:.2f} ms (x{row['vs_decode'][q]:.2f})"
@@ -553,7 +567,8 @@ def summarize(rep: Report) -> None:
         "hbm_floor_s": "(weight bytes read per step + KV bytes read per step) / copy_bandwidth_gb_s (read + write)",
         "floor_fraction": "hbm_floor_s / median engine decode step (1.0 = at the memory-bandwidth floor)",
         "verify vs_decode": "target forward (CUDA graph replay on GPU, as the engine runs it) + LM head over q tokens "
-                            "per request / the same with q = 1, same batch",
+                            "per request / the same with q = 1, same batch; medians of 5 interleaved rounds of 10 "
+                            "forwards per q (q = 1, 2, 4, 8 in turn)",
         "graph_replay_s": "device time of the captured decode graph alone (no host work): the GPU part of a step",
         "speedup_vs_bf16": "bf16 median decode step / quantized median decode step, same batch",
         "e2e tok_s": "output tokens of all requests / wall time of LLMEngine.generate (prefill included)",
@@ -625,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches, args.verify_batches, args.quant_batches = [1, 8, 32, 64], [1, 8, 32], [1, 32]
     args.concurrency, args.hf_compile_c = [1, 8, 32], [1]
     args.prompt_len, args.e2e_prompt_len, args.new_tokens = 512, 128, 256
-    args.decode_steps, args.forward_iters = 20, 10
+    args.decode_steps, args.forward_iters, args.forward_rounds = 20, 10, 5
     args.max_model_len, args.kv_gib, args.prefill_budget = 1024, 12.0, 8192
     if args.smoke:
         args.big_shape = args.small_shape
@@ -633,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency, args.hf_compile_c = [1, 4], []
         args.prompt_len, args.e2e_prompt_len, args.new_tokens = 32, 16, 12
         args.decode_steps, args.forward_iters, args.kv_gib, args.prefill_budget = 3, 2, 0.25, 512
+        args.forward_rounds = 1
     rep = Report(" ".join(["python", *sys.argv]), args.out)
     if gemm_table_json is not None:
         rep.data["bf16_gemm_table"] = gemm_table_json

@@ -205,30 +205,41 @@ def time_forward(runner: ModelRunner, device: torch.device, batch: int, context:
 @torch.inference_mode()
 def time_forwards(runner: ModelRunner, device: torch.device, batch: int, context: int, query_lens: tuple[int, ...],
                   iters: int, rounds: int, warmup: int = 3) -> dict[int, float]:
-    """``time_forward`` for several query lengths, interleaved: after each one's warm-up, ``rounds`` rounds each
-    time ``iters`` forwards of every query length in turn, so a drift of the GPU's clocks or of the host over the
-    measurement reaches every length alike (their ratios are the figures). Median of the ``rounds * iters`` times
-    of each length."""
-    calls = {}
-    for q in query_lens:
-        ids, positions, q_lens, seq_lens, tables = forward_inputs(runner, batch, context, q)
-        lens = (q_lens, seq_lens)
-        graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
-        run = graphs.run if graphs is not None else runner.forward
-        calls[q] = (lambda run=run, ids=ids, positions=positions, lens=lens, tables=tables:
-                    runner.model.compute_logits(run(ids, positions, *lens, tables)[0]))
+    """``time_forward`` for several query lengths, interleaved (``interleaved_medians``): their ratios are the
+    figures, so a drift of the GPU's clocks or of the host reaches every length alike."""
+    calls = {q: forward_call(runner, batch, context, q) for q in query_lens}
+    return interleaved_medians(calls, device, iters, rounds, warmup)
+
+
+def forward_call(runner: ModelRunner, batch: int, context: int, query_len: int):
+    """A no-argument call of one target forward + LM head over ``forward_inputs(runner, batch, context,
+    query_len)``: a replay of the runner's CUDA graph for that step when it has graphs (captured on the first
+    call), eager otherwise."""
+    ids, positions, query_lens, seq_lens, tables = forward_inputs(runner, batch, context, query_len)
+    lens = (query_lens, seq_lens)
+    graphs = runner.graphs if runner.graphs is not None and runner.graphs.fits(*lens) else None
+    run = graphs.run if graphs is not None else runner.forward
+    return lambda: runner.model.compute_logits(run(ids, positions, *lens, tables)[0])
+
+
+@torch.inference_mode()
+def interleaved_medians(calls: dict, device: torch.device, iters: int, rounds: int, warmup: int = 3) -> dict:
+    """Median seconds of each call of ``calls`` (key -> no-argument call): after ``warmup`` calls of each,
+    ``rounds`` rounds that each time ``iters`` calls of every key in turn (host clock, synchronised around each
+    call). Keys whose ratios are the figure see the same drift of clocks and host."""
+    for call in calls.values():
         for _ in range(warmup):
-            calls[q]()
-    times: dict[int, list[float]] = {q: [] for q in query_lens}
+            call()
+    times: dict = {key: [] for key in calls}
     for _ in range(rounds):
-        for q in query_lens:
+        for key, call in calls.items():
             for _ in range(iters):
                 sync(device)
                 t0 = time.perf_counter()
-                calls[q]()
+                call()
                 sync(device)
-                times[q].append(time.perf_counter() - t0)
-    return {q: statistics.median(t) for q, t in times.items()}
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 @torch.inference_mode()

@@ -1,0 +1,80 @@
+"""End-to-end A/B of the decode kernel's keys per tile for 64-wide heads (GPU machine, not CI).
+
+``TritonAttentionBackend.decode_tile_keys`` gives heads narrower than 128 ``block_n`` (64) keys per tile; the
+per-layer sweep (benchmarks/attention_sweep_gpu.py) found 128 as fast or faster on the SmolLM2 shape. This times
+whole target forwards + LM head (CUDA graph replays, as the engine's decode and verify steps run) on the
+SmolLM2-135M shape (bf16, random weights) with ``decode_block_n`` None (the default) against 128, two runners
+over one model, in interleaved rounds (``gpu_engine.interleaved_medians``) per (batch, context, query length).
+
+    python benchmarks/decode_tiles_ab_gpu.py --out $OUT/decode_tiles_ab_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
+from specserve.engine.model_runner import ModelRunner  # noqa: E402
+from specserve.layers.triton_attention import TritonAttentionBackend  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="512,2048,4096")
+    ap.add_argument("--query-lens", default="1,4")
+    ap.add_argument("--tile-keys", default="128", help="decode_block_n values set against the default (None)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    query_lens = [int(x) for x in args.query_lens.split(",")]
+    settings = [None] + [int(x) for x in args.tile_keys.split(",")]
+    config = shape_config(args.shape)
+    max_len = max(contexts) + max(query_lens) + ge.BLOCK_SIZE
+    model = ge.dummy_model(config, max_len, torch.bfloat16, device)
+    blocks = max(batches) * -(-max_len // ge.BLOCK_SIZE)
+    runners = {}
+    for keys in settings:
+        runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, num_blocks=blocks), device,
+                             TritonAttentionBackend(decode_block_n=keys))
+        runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=tuple(batches), capture_at_startup=False), max_len,
+                                 max(batches))
+        runners[keys] = runner
+    result = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
+              "shape": args.shape, "iters": args.iters, "rounds": args.rounds,
+              "default_tile_keys": runners[None].backend.decode_tile_keys(config.head_dim), "rows": []}
+    start = time.perf_counter()
+    for b in batches:
+        for ctx in contexts:
+            for q in query_lens:
+                calls = {keys: ge.forward_call(r, b, ctx, q) for keys, r in runners.items()}
+                med = ge.interleaved_medians(calls, device, args.iters, args.rounds)
+                row = {"batch": b, "context": ctx, "query_len": q,
+                       "step_ms": {str(k): t * 1e3 for k, t in med.items()},
+                       "speedup_vs_default": {str(k): med[None] / t for k, t in med.items() if k is not None}}
+                result["rows"].append(row)
+                print(f"b={b:3d} ctx={ctx:5d} q={q}: " + ", ".join(f"{k}: {t * 1e3:.3f} ms" for k, t in med.items())
+                      + "  x" + ", x".join(f"{v:.3f}" for v in row["speedup_vs_default"].values()), flush=True)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

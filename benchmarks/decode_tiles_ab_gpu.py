@@ -1,12 +1,14 @@
 """End-to-end A/B of the decode kernel's keys per tile for 64-wide heads (GPU machine, not CI).
 
-``TritonAttentionBackend.decode_tile_keys`` gives heads narrower than 128 ``block_n`` (64) keys per tile; the
-per-layer sweep (benchmarks/attention_sweep_gpu.py) found 128 as fast or faster on the SmolLM2 shape. This times
-whole target forwards + LM head (CUDA graph replays, as the engine's decode and verify steps run) on the
-SmolLM2-135M shape (bf16, random weights) with ``decode_block_n`` None (the default) against 128, two runners
-over one model, in interleaved rounds (``gpu_engine.interleaved_medians``) per (batch, context, query length).
+Times whole target forwards + LM head (CUDA graph replays, as the engine's decode and verify steps run) on the
+SmolLM2-135M shape (bf16, random weights) with ``decode_block_n`` None (``TritonAttentionBackend.decode_tile_keys``'
+rule) against fixed values (``--tile-keys``), one runner each over one model, in interleaved rounds
+(``gpu_engine.interleaved_medians``) per (batch, context, query length). Before stop 22 the rule gave 64-wide heads
+``block_n`` (64) keys everywhere; the per-layer sweep (benchmarks/attention_sweep_gpu.py) had found 128 as fast or
+faster, and the first two runs of this script (``--tile-keys 128`` and ``128,256`` against that rule) set the
+present one.
 
-    python benchmarks/decode_tiles_ab_gpu.py --out $OUT/decode_tiles_ab_gpu.json
+    python benchmarks/decode_tiles_ab_gpu.py --out $OUT/decode_tiles_ab_gpu.json --tile-keys 64,128
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def main() -> int:
         runners[keys] = runner
     result = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
               "shape": args.shape, "iters": args.iters, "rounds": args.rounds,
-              "default_tile_keys": runners[None].backend.decode_tile_keys(config.head_dim), "rows": []}
+              "default_tile_keys_split_unsplit": [runners[None].backend.decode_tile_keys(config.head_dim, s)
+                                                  for s in (2, 1)], "rows": []}
     start = time.perf_counter()
     for b in batches:
         for ctx in contexts:

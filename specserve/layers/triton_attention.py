@@ -47,7 +47,7 @@ LOG2E = 1.4426950408889634
 PREFILL_TILE_TOKENS = (16, 32, 64)
 # Fewest keys worth a split of their own when num_splits is chosen automatically.
 MIN_KEYS_PER_SPLIT = 256
-# Keys per decode tile for heads of 128 or more (TritonAttentionBackend.decode_tile_keys).
+# Keys per decode tile for heads of 128 or more and for unsplit decode steps (TritonAttentionBackend.decode_tile_keys)
 DECODE_BLOCK_N_WIDE_HEADS = 128
 MAX_AUTO_SPLITS = 16
 # When the (sequence, kv head) programs of a decode step are fewer than the SMs, automatic split counts aim at
@@ -377,17 +377,22 @@ class TritonAttentionBackend:
             raise ValueError(f"decode_stages must be >= 1, got {decode_stages}")
         self.decode_stages = decode_stages  # software-pipelining depth of the decode kernel's key-tile loads
 
-    def decode_tile_keys(self, head_dim_pad: int) -> int:
-        """Keys per tile of the decode kernel: ``decode_block_n``, else ``DECODE_BLOCK_N_WIDE_HEADS`` for heads of
-        128 or more (timed on the H200, benchmarks/results/attention_tiles_gpu.json: Llama-3.1-8B shape, one
-        layer, CUDA graph, 11.9 vs 13.0 us at batch 1, 28.0 vs 30.0 at batch 32, 31.9 vs 33.6 for 8-token verify
-        rows), else ``block_n``. SmolLM2's 64-wide heads were as fast or faster with 128 keys as well (context 384-512:
-        within 1%; 2048: 7.4 vs 8.3 us at batch 1, 21.6 vs 24.4 at batch 32; benchmarks/results/
-        attention_sweep_gpu.json) but have no end-to-end A/B yet (one gpu_engine.py run with them and one
-        without both read ~940 tok/s at batch 1, so that figure tells nothing), so they keep ``block_n``."""
+    def decode_tile_keys(self, head_dim_pad: int, num_splits: int = 1) -> int:
+        """Keys per tile of the decode kernel: ``decode_block_n``, else ``DECODE_BLOCK_N_WIDE_HEADS`` (128) for
+        heads of 128 or more, and for narrower heads when the kernel runs unsplit (``num_splits`` 1), else
+        ``block_n``.
+
+        Timed on the H200. Heads of 128 (benchmarks/results/attention_tiles_gpu.json: Llama-3.1-8B shape, one
+        layer, CUDA graph): 11.9 vs 13.0 us at batch 1, 28.0 vs 30.0 at batch 32, 31.9 vs 33.6 for 8-token verify
+        rows. 64-wide heads, whole forwards (CUDA graphs) on the SmolLM2 shape (benchmarks/decode_tiles_ab_gpu.py,
+        benchmarks/results/decode_tiles_ab_gpu*.json, three runs): unsplit (batch 48 and more, where one program
+        per sequence and kv head already covers the SMs) 128 keys were x1.03-1.31 faster than 64 at contexts
+        512-4096; split (batch <= 32) they lost up to 6% at context 512 and gained 3-8% at 2048-4096, so split
+        steps keep ``block_n``. Against the rule before (64 everywhere), this one is x1.06-1.31 at batch 48-128 and
+        the same at batch <= 32 (``decode_tiles_ab_gpu_rule.json``)."""
         if self.decode_block_n is not None:
             return self.decode_block_n
-        return DECODE_BLOCK_N_WIDE_HEADS if head_dim_pad >= 128 else self.block_n
+        return DECODE_BLOCK_N_WIDE_HEADS if head_dim_pad >= 128 or num_splits == 1 else self.block_n
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Host lists -> the kernels' index tensors, in one host-to-device copy per step.
@@ -537,8 +542,8 @@ class TritonAttentionBackend:
                 extra["short_seq_ids"], split_out, split_lse,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
                 num_heads, num_splits, head_dim, qk_scale,
-                GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad), BLOCK_SIZE=block_size,
-                HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
+                GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad, num_splits),
+                BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
                 num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=self.decode_stages,
                 **pdl_args(q.device))
             if split:

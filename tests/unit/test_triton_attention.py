@@ -265,17 +265,21 @@ def test_engine_static_padded_path_on_triton_backend():
 
 
 def test_decode_tile_keys_by_head_size_and_override():
-    """Heads of 128 decode in tiles of 128 keys (timed faster on the H200), narrower heads keep ``block_n``;
-    ``decode_block_n`` overrides both, and the results match the reference across the 128-key tile edges."""
+    """Heads of 128 decode in tiles of 128 keys (timed faster on the H200), narrower heads too when the step is
+    unsplit, else ``block_n``; ``decode_block_n`` overrides all, and the results match the reference across the
+    128-key tile edges."""
     from specserve.layers.triton_attention import DECODE_BLOCK_N_WIDE_HEADS, TritonAttentionBackend
     backend = TritonAttentionBackend()
-    assert backend.decode_tile_keys(128) == DECODE_BLOCK_N_WIDE_HEADS == 128 and backend.decode_tile_keys(64) == 64
-    assert TritonAttentionBackend(decode_block_n=32).decode_tile_keys(128) == 32
+    assert DECODE_BLOCK_N_WIDE_HEADS == 128
+    assert [backend.decode_tile_keys(128, s) for s in (1, 4)] == [128, 128]
+    assert [backend.decode_tile_keys(64, s) for s in (1, 4)] == [128, 64]
+    assert [TritonAttentionBackend(decode_block_n=32).decode_tile_keys(d, 1) for d in (64, 128)] == [32, 32]
     for bad in (dict(decode_block_n=48), dict(decode_warps=3), dict(decode_stages=0)):
         with pytest.raises(ValueError):
             TritonAttentionBackend(**bad)
     context_lens = [126, 127, 128, 129, 200]
     check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128)
+    check([1, 3, 1, 2, 1], context_lens, 16, 9, 3, 64)  # unsplit on the interpreter: 128-key tiles for 64-wide heads
     check([1, 3, 1, 2, 1], context_lens, 16, 4, 2, 128, decode_block_n=32, num_splits=3)
 
 

@@ -365,7 +365,8 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     runner = ModelRunner(model, config, CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib), device)
     runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=tuple(args.verify_batches), capture_at_startup=False),
                              args.max_model_len, max(args.verify_batches))
-    ver: dict = {"context": args.prompt_len, "by_batch": {}}
+    ver: dict = {"context": args.prompt_len, "rounds": args.forward_rounds, "iters_per_round": args.forward_iters,
+                 "by_batch": {}}
     rep.data["verify"] = ver
     for b in args.verify_batches:
         timed = time_forwards(runner, device, b, args.prompt_len, (1, 2, 4, 8), args.forward_iters,
@@ -578,8 +579,8 @@ def summarize(rep: Report) -> None:
         "hbm_floor_s": "(weight bytes read per step + KV bytes read per step) / copy_bandwidth_gb_s (read + write)",
         "floor_fraction": "hbm_floor_s / median engine decode step (1.0 = at the memory-bandwidth floor)",
         "verify vs_decode": "target forward (CUDA graph replay on GPU, as the engine runs it) + LM head over q tokens "
-                            "per request / the same with q = 1, same batch; medians of 5 interleaved rounds of 10 "
-                            "forwards per q (q = 1, 2, 4, 8 in turn)",
+                            "per request / the same with q = 1, same batch; medians over verify.rounds interleaved "
+                            "rounds of verify.iters_per_round forwards per q (q = 1, 2, 4, 8 in turn)",
         "graph_replay_s": "device time of the captured decode graph alone (no host work): the GPU part of a step",
         "speedup_vs_bf16": "bf16 median decode step / quantized median decode step, same batch",
         "e2e tok_s": "output tokens of all requests / wall time of LLMEngine.generate (prefill included)",

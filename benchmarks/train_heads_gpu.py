@@ -57,6 +57,9 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TRAIN_SOURCES = ["gpteacher", "gsm8k/train.jsonl.gz", "sharegpt", "t0", "wmt_ende_opennmt", "tasks"]
 TASK_PROMPTS = 6000  # conversations of train/task_prompts.py that split writes to data/tasks/
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
+# the staged evaluation sets: eval measures on them, and generate --self-prompts keeps their n-grams out
+EVAL_FILES = [STAGE / "data/mt_bench/question.jsonl.gz", STAGE / "data/HumanEval.jsonl.gz",
+              STAGE / "data/gsm8k/test.jsonl.gz"]
 
 
 # T0 templates trained on: datasets whose licences allow it (SOURCE.md); SAMSum, XSum, Gigaword and Multi-News not
@@ -214,6 +217,7 @@ def generate(args) -> None:
     stats = {"command": " ".join(["python", *sys.argv]), "shards": per_shard, "train_samples": len(train),
              "held_out_samples": len(held),
              "generated_tokens": sum(st["train"]["generated_tokens"] for st in per_shard),
+             "self_prompts_kept": sum(st.get("self_prompts", {}).get("kept", 0) for st in per_shard),
              "seconds": max(st["train"]["seconds"] for st in per_shard)}
     (WORK / name).mkdir(parents=True, exist_ok=True)
     save_samples(train, WORK / name / "data_train.npz")
@@ -241,7 +245,9 @@ def _generate_shard(args, name: str) -> None:
     device = torch.device(args.device)
     cfg = TrainDraftConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                            answers_per_conversation=args.answers_per_conversation,
-                           answers_per_source=args.answers_per_source, max_generate_seconds=args.gen_seconds)
+                           answers_per_source=args.answers_per_source, max_generate_seconds=args.gen_seconds,
+                           self_prompts=args.self_prompts, self_prompt_temperature=args.self_prompt_temperature,
+                           self_prompt_top_p=args.self_prompt_top_p)
     max_len = 1024 + args.max_new_tokens
     parts = load_model(str(STAGE / "model.gguf"), "bfloat16" if device.type == "cuda" else "float32", device,
                        max_len)
@@ -249,7 +255,7 @@ def _generate_shard(args, name: str) -> None:
     train, held, stats = generate_data(parts, cfg, expand_paths([str(STAGE / "data" / s) for s in args.sources]),
                                        device, args.per_file, max_len, args.max_num_seqs, args.kv_gib / args.shards,
                                        progress=args.shard == 0, shard=(args.shard, args.shards),
-                                       held_out_from=earlier)
+                                       held_out_from=earlier, decontaminate=EVAL_FILES if args.self_prompts else None)
     (WORK / name).mkdir(parents=True, exist_ok=True)
     save_samples(train, WORK / name / "data_train.npz")
     save_samples(held, WORK / name / "data_held_out.npz")
@@ -542,6 +548,11 @@ def main() -> int:
                     help="generate: prompt sources under the staged data (default: every training source)")
     ap.add_argument("--held-out-from", default=None,
                     help="generate: keep this earlier run's held-out split (a repo path holding data_held_out.npz)")
+    ap.add_argument("--self-prompts", type=int, default=0,
+                    help="generate: requests the target writes itself first (train/self_prompts.py), split among "
+                         "the shards, kept free of the evaluation sets' n-grams; source name self_prompts")
+    ap.add_argument("--self-prompt-temperature", type=float, default=1.0)
+    ap.add_argument("--self-prompt-top-p", type=float, default=0.95)
     ap.add_argument("--answers-per-source", default="",
                     help="generate: NAME=N,... answers for conversations of prompt files whose name holds NAME")
     ap.add_argument("--batch-tokens", type=int, default=16384)

@@ -239,6 +239,13 @@ class TrainDraftConfig:
     # largest matching N), e.g. "sharegpt=3,codegen=2": more answers where the prompts resemble the traffic
     answers_per_source: str = ""
     held_out_fraction: float = 0.02
+    # requests the target writes itself before answering them (train/self_prompts.py, Magpie): this many sampled
+    # after the chat template's user header, filtered (ended at end-of-turn, unique, no n-gram of an evaluation
+    # prompt), added to the training conversations with source "self_prompts"; 0: none
+    self_prompts: int = 0
+    self_prompt_temperature: float = 1.0
+    self_prompt_top_p: float = 0.95
+    self_prompt_max_tokens: int = 256
     max_generate_seconds: float = 0.0  # 0: answer every prompt; else start no new group of prompts after this
     # optimisation
     epochs: float = 2.0
@@ -299,6 +306,10 @@ class TrainDraftConfig:
         _require(all(n == 1 for n in per_source.values()) or self.sampling_temperature > 0, "answers_per_source",
                  "more than one answer needs sampling_temperature > 0 (further answers are sampled)")
         _require(0.0 <= self.held_out_fraction < 1.0, "held_out_fraction", "must be in [0, 1)")
+        _require(self.self_prompts >= 0, "self_prompts", "must be >= 0 (0: none)")
+        _require(self.self_prompt_temperature > 0, "self_prompt_temperature", "must be > 0 (requests are sampled)")
+        _require(0 < self.self_prompt_top_p <= 1, "self_prompt_top_p", "must be in (0, 1]")
+        _require(self.self_prompt_max_tokens >= 1, "self_prompt_max_tokens", "must be at least 1")
         _require(self.ttt_steps >= 1, "ttt_steps", "must be at least 1")
         _require(0.0 <= self.hard_label_weight <= 1.0, "hard_label_weight", "must be in [0, 1]")
         _require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 turns it off)")

@@ -10,7 +10,8 @@ from specserve.config import TrainDraftConfig
 # TrainDraftConfig fields exposed as flags (the rest keep their defaults)
 _FLAGS = ("method", "num_layers", "head_intermediate_size", "draft_vocab_size", "max_new_tokens", "max_turns",
           "sampled_fraction", "sampling_temperature", "answers_per_conversation", "answers_per_source",
-          "held_out_fraction", "epochs", "lr", "warmup_steps", "max_seq_len", "max_batch_tokens", "ttt_steps",
+          "held_out_fraction", "self_prompts", "self_prompt_temperature", "self_prompt_top_p",
+          "self_prompt_max_tokens", "epochs", "lr", "warmup_steps", "max_seq_len", "max_batch_tokens", "ttt_steps",
           "ttt_anchors", "hard_label_weight", "num_spec_tokens", "anchors_per_seq", "anchor_chunk",
           "peagle_chain_weight", "checkpoint_every", "weight_decay", "dataset_answers", "eval_every", "eval_samples",
           "max_generate_seconds", "max_train_seconds", "total_steps", "seed")
@@ -32,6 +33,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "larger; --method and --num-layers must match it, --head-intermediate-size must match it or "
                         "be larger (added MLP units start switched off); a P-EAGLE run may also start from an "
                         "EAGLE-3 head: its layers, fc and LM head, further layers starting as the identity)")
+    p.add_argument("--decontaminate", nargs="+", default=None,
+                   help="evaluation files (MT-Bench question.jsonl, HumanEval, GSM8K test): no request the target "
+                        "writes itself (--self-prompts) may share a word 8-gram with their prompts")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--per-file-limit", type=int, default=None, help="at most this many conversations per file")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -56,8 +60,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS}, init_head=args.init_head)
     except ValueError as exc:
         args.error(str(exc))
-    if not args.prompts and not args.data:
-        args.error("--prompts: give prompt files (or --data with generated samples)")
+    if not args.prompts and not args.data and not cfg.self_prompts:
+        args.error("--prompts: give prompt files (or --data with generated samples, or --self-prompts N)")
     train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
-                args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data)
+                args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data,
+                decontaminate=args.decontaminate)
     return 0

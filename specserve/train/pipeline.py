@@ -44,8 +44,13 @@ def load_conversations(cfg: TrainDraftConfig, prompt_files: list[Path], per_file
 def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path], device: torch.device,
                   per_file_limit: int | None, max_model_len: int, max_num_seqs: int, kv_gib: float,
                   progress: bool = True, shard: tuple[int, int] = (0, 1),
-                  held_out_from: list[Sample] | None = None):
+                  held_out_from: list[Sample] | None = None, decontaminate: list[Path] | None = None):
     """(train samples, held-out samples, stats): held-out conversations are split off before generation.
+
+    ``cfg.self_prompts`` > 0: the target first writes that many requests of its own (``train/self_prompts.py``;
+    shard ``i`` of ``n`` writes its share with seeds of its own), none sharing a word n-gram with the prompts of
+    the ``decontaminate`` files (the evaluation sets); the kept ones join the training conversations (never the
+    held-out split) in a seeded shuffle, so that a time-bounded run answers a mix of both.
 
     ``shard = (i, n)``: only training conversations ``i, i + n, i + 2n, ...`` are answered (n processes share
     one GPU; shard 0 alone answers the held-out ones), sampled with seeds of their own (``cfg.seed + i * 2^32``
@@ -74,6 +79,17 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
                                                               max_model_len=max_model_len)),
                        model, model_config, tokenizer)
     stats = {"files": per_file, "shard": list(shard), "dropped_as_held_out": dropped}
+    if cfg.self_prompts:
+        from specserve.train.self_prompts import Decontaminator, eval_texts, synthesize
+
+        share = cfg.self_prompts // count + (index < cfg.self_prompts % count)
+        own, stats["self_prompts"] = synthesize(
+            engine, tokenizer, share, cfg.self_prompt_max_tokens, cfg.self_prompt_temperature,
+            cfg.self_prompt_top_p, seed=cfg.seed + (index << 32) + (1 << 31),
+            decontaminator=Decontaminator(eval_texts(decontaminate or [])))
+        stats["self_prompts"]["decontaminated_against"] = [str(p) for p in decontaminate or []]
+        train_convs = train_convs + own
+        random.Random(cfg.seed + index).shuffle(train_convs)
     budget = cfg.max_generate_seconds or None
     if held_out_from is None:
         held, stats["held_out"] = regenerate(engine, tokenizer, held_convs, cfg.max_new_tokens, 0.0, 0.0,
@@ -117,10 +133,12 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
 def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,
                 data_dir: str | list[str] | None = None, per_file_limit: int | None = None,
                 max_model_len: int = 2048, max_num_seqs: int = 256, kv_gib: float = 8.0,
-                progress: bool = True, extra_data: list[str] | None = None) -> dict:
+                progress: bool = True, extra_data: list[str] | None = None,
+                decontaminate: list[str] | None = None) -> dict:
     """Generate (or reuse, ``data_dir``) samples, pick the draft vocabulary, train and export the head.
     ``extra_data``: directories of earlier runs' ``data_train.npz`` / ``data_held_out.npz``, both appended to
-    the training split (never to the held-out one) after generation."""
+    the training split (never to the held-out one) after generation. ``decontaminate``: evaluation files whose
+    prompts no self-written request (``cfg.self_prompts``) may share a word n-gram with."""
     from specserve.models.loader import load_model
 
     out = Path(out_dir)
@@ -139,7 +157,8 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
         report["data"] = {"reused": [str(src) for src in sources]}
     else:
         train, held, report["data"] = generate_data(parts, cfg, expand_paths(prompts), device, per_file_limit,
-                                                    max_model_len, max_num_seqs, kv_gib, progress)
+                                                    max_model_len, max_num_seqs, kv_gib, progress,
+                                                    decontaminate=[Path(p) for p in decontaminate or []])
         save_samples(train, out / "data_train.npz")
         save_samples(held, out / "data_held_out.npz")
     for src in map(Path, extra_data or []):

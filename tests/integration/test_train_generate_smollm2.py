@@ -181,3 +181,36 @@ def test_shards_answer_disjoint_parts_and_an_earlier_held_out_split_is_kept(engi
     assert kept_held == earlier and stats["dropped_as_held_out"] == 1 and len(kept) == 9
     assert prompt(earlier[0]) not in {prompt(s) for s in kept}
     assert ids(kept) == ids(train + held[1:])
+
+
+def test_the_target_writes_requests_that_train_like_any_prompt(engine, tmp_path) -> None:
+    """Self-written prompts (Magpie): the pre-query ids are the chat template up to the user's text; requests
+    come back reproducibly from their seeds, each the text the target wrote before its end-of-turn token; and
+    ``generate_data`` answers them as training conversations (none held out)."""
+    from specserve.config import TrainDraftConfig
+    from specserve.train.pipeline import generate_data
+    from specserve.train.self_prompts import SOURCE, Decontaminator, pre_query_ids, select, synthesize
+
+    tok = engine.tokenizer
+    pre = pre_query_ids(tok)
+    for text in ("Plan a trip to Kyoto.", "What is 2 + 3?"):
+        full = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=False))
+        assert full[:len(pre)] == pre and tok.decode(full[len(pre):]).startswith(text)
+    runs = [synthesize(engine, tok, 6, max_tokens=48, seed=11) for _ in range(2)]
+    (convs, stats), (again, _) = runs
+    assert [c.user_turns for c in convs] == [c.user_turns for c in again] and convs
+    assert stats["generated"] == 6 and stats["kept"] == len(convs) and stats["generated_tokens"] > 0
+    raw = engine.generate([pre] * 6, [SamplingParams(max_tokens=48, temperature=1.0, top_p=0.95, seed=11 + i)
+                                      for i in range(6)])
+    assert [c.user_turns[0] for c in convs] == select([(r.output_text, r.finish_reason) for r in raw])[0]
+    assert all(c.source == SOURCE and len(c.user_turns) == 1 for c in convs)
+    # a request equal to an evaluation prompt is dropped
+    dropped, dstats = synthesize(engine, tok, 6, max_tokens=48, seed=11,
+                                 decontaminator=Decontaminator([convs[0].user_turns[0]]))
+    assert dstats["contaminated"] >= 1 and convs[0].user_turns[0] not in [c.user_turns[0] for c in dropped]
+    cfg = TrainDraftConfig(self_prompts=6, max_new_tokens=8, sampled_fraction=0.0)
+    parts = (engine.runner.model, engine.model_config, tok)
+    train, held, gstats = generate_data(parts, cfg, [], torch.device("cpu"), None, 1024, 8, 0.05)
+    assert held == [] and gstats["self_prompts"]["kept"] == len(train) > 0
+    prompts = {tok.decode(s.token_ids[:s.num_prompt]) for s in train}
+    assert all(any(text in p for p in prompts) for text in gstats["self_prompts"]["examples"])

@@ -491,7 +491,11 @@ def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
     for bad, field in ((["--answers-per-conversation", "0"], "answers_per_conversation"),
                        (["--answers-per-conversation", "3", "--sampling-temperature", "0"], "answers_per_conversation"),
                        (["--answers-per-source", "sharegpt=two"], "answers_per_source"),
-                       (["--answers-per-source", "sharegpt=0"], "answers_per_source")):
+                       (["--answers-per-source", "sharegpt=0"], "answers_per_source"),
+                       (["--self-prompts", "-1"], "self_prompts"),
+                       (["--self-prompt-temperature", "0"], "self_prompt_temperature"),
+                       (["--self-prompt-top-p", "1.5"], "self_prompt_top_p"),
+                       (["--self-prompt-max-tokens", "0"], "self_prompt_max_tokens")):
         with pytest.raises(SystemExit) as exc:
             main(["train-draft", "--out", str(tmp_path), "--prompts", "x.jsonl", *bad])
         assert exc.value.code == 2 and field in capsys.readouterr().err

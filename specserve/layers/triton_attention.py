@@ -49,6 +49,9 @@ PREFILL_TILE_TOKENS = (16, 32, 64)
 MIN_KEYS_PER_SPLIT = 256
 # Keys per decode tile for heads of 128 or more and for unsplit decode steps (TritonAttentionBackend.decode_tile_keys)
 DECODE_BLOCK_N_WIDE_HEADS = 128
+# Cap on automatic split counts. Whole Llama-3.1-8B-shape forwards on the H200 with 32 splits instead (batch 1 / 4 /
+# 8, contexts 512 / 2048 / 8192; benchmarks/results/decode_splits_ab_gpu.json): x0.94-0.996 at 512 and 2048, x0.99
+# at batch 1 and 8192, x1.015 / x1.036 only at batch 4 / 8 and 8192, so the cap stays.
 MAX_AUTO_SPLITS = 16
 # When the (sequence, kv head) programs of a decode step are fewer than the SMs, automatic split counts aim at
 # this many (sequence, kv head, split) programs per SM; with at least one per SM, no split. Timed on the H200

@@ -218,6 +218,7 @@ def generate(args) -> None:
              "held_out_samples": len(held),
              "generated_tokens": sum(st["train"]["generated_tokens"] for st in per_shard),
              "self_prompts_kept": sum(st.get("self_prompts", {}).get("kept", 0) for st in per_shard),
+             "self_prompt_seconds": max(st.get("self_prompts", {}).get("seconds", 0.0) for st in per_shard),
              "seconds": max(st["train"]["seconds"] for st in per_shard)}
     (WORK / name).mkdir(parents=True, exist_ok=True)
     save_samples(train, WORK / name / "data_train.npz")

@@ -223,6 +223,11 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
 
+    @property
+    def special_token_ids(self) -> set[int]:
+        """Ids of the control tokens (``<|im_start|>``, ``<|im_end|>``, ...), which ``decode`` skips by default."""
+        return {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -60,6 +60,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS}, init_head=args.init_head)
     except ValueError as exc:
         args.error(str(exc))
+    if args.data and cfg.self_prompts:
+        args.error("--self-prompts: data generation is skipped with --data (its samples are reused)")
     if not args.prompts and not args.data and not cfg.self_prompts:
         args.error("--prompts: give prompt files (or --data with generated samples, or --self-prompts N)")
     train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,

@@ -49,8 +49,9 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
 
     ``cfg.self_prompts`` > 0: the target first writes that many requests of its own (``train/self_prompts.py``;
     shard ``i`` of ``n`` writes its share with seeds of its own), none sharing a word n-gram with the prompts of
-    the ``decontaminate`` files (the evaluation sets); the kept ones join the training conversations (never the
-    held-out split) in a seeded shuffle, so that a time-bounded run answers a mix of both.
+    the ``decontaminate`` files (the evaluation sets) or with a held-out user turn (so the held-out estimate stays
+    held out); the kept ones join the training conversations (never the held-out split) in a seeded shuffle, so
+    that a time-bounded run answers a mix of both. Writing them is not bounded by ``max_generate_seconds``.
 
     ``shard = (i, n)``: only training conversations ``i, i + n, i + 2n, ...`` are answered (n processes share
     one GPU; shard 0 alone answers the held-out ones), sampled with seeds of their own (``cfg.seed + i * 2^32``
@@ -61,6 +62,7 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     from specserve.engine.engine import LLMEngine
 
     train_convs, held_convs, per_file = load_conversations(cfg, prompt_files, per_file_limit)
+    every_held = held_convs  # every shard keeps its self-written requests clear of all of them
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"shard: index {index} not in 0..{count - 1}")
@@ -82,11 +84,17 @@ def generate_data(target_parts, cfg: TrainDraftConfig, prompt_files: list[Path],
     if cfg.self_prompts:
         from specserve.train.self_prompts import Decontaminator, eval_texts, synthesize
 
+        if not decontaminate:
+            print("warning: --self-prompts without --decontaminate: the target's requests are not checked against "
+                  "the evaluation sets", file=sys.stderr)
+        held_turns = [t for c in every_held for t in c.user_turns]
+        if held_out_from is not None:  # the earlier run's held-out prompts, as rendered
+            held_turns += [tokenizer.decode(s.token_ids[:s.num_prompt]) for s in held_out_from]
         share = cfg.self_prompts // count + (index < cfg.self_prompts % count)
         own, stats["self_prompts"] = synthesize(
             engine, tokenizer, share, cfg.self_prompt_max_tokens, cfg.self_prompt_temperature,
             cfg.self_prompt_top_p, seed=cfg.seed + (index << 32) + (1 << 31),
-            decontaminator=Decontaminator(eval_texts(decontaminate or [])))
+            decontaminator=Decontaminator(eval_texts(decontaminate or []) + held_turns))
         stats["self_prompts"]["decontaminated_against"] = [str(p) for p in decontaminate or []]
         train_convs = train_convs + own
         random.Random(cfg.seed + index).shuffle(train_convs)

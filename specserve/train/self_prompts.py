@@ -17,9 +17,11 @@ Worked example (SmolLM2-135M-Instruct's template; no system prompt given, so the
     kept            Conversation(["I'm considering a career change ... starting point?"], source="self_prompts")
 
 A request is kept (``select``) when its generation ended with the end-of-turn token (not cut at ``max_tokens``:
-those are mostly run-on text), it has at least ``MIN_CHARS`` characters and no chat-template markup, it is the
-first with its normalised text (lower case, whitespace collapsed) and it shares no word n-gram with an evaluation
-prompt (``Decontaminator``), so that no evaluation request is trained on even if the target met it in its tuning.
+those are mostly run-on text), it has at least ``MIN_CHARS`` characters and no control token before that end
+(``<|im_start|>``, ``<|endoftext|>``, ...: ``synthesize`` decodes with them kept, so they show as markup), it is
+the first with its words (lower-cased ``\\w+`` runs: case, spacing and punctuation aside) and it shares no word
+n-gram with an evaluation prompt or a held-out training prompt (``Decontaminator``), so that no evaluation request
+is trained on even if the target met it in its own tuning.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from specserve.sampling import SamplingParams
-from specserve.train.data import Conversation, _records
+from specserve.train.data import Conversation, _records, conversation_from_record
 
 SOURCE = "self_prompts"  # Conversation.source of every self-written request (``answers_per_source`` matches it)
 MIN_CHARS = 12
@@ -56,7 +58,8 @@ def _words(text: str) -> list[str]:
 
 
 def _normalised(text: str) -> str:
-    return " ".join(text.lower().split())
+    """The text's words, lower-cased: "Write a poem about rain!" and "write a poem about RAIN." are one request."""
+    return " ".join(_words(text))
 
 
 class Decontaminator:
@@ -77,6 +80,8 @@ class Decontaminator:
         for text in texts:
             self.num_texts += 1
             words = _words(text)
+            if not words:  # nothing to match (an empty prompt would match every wordless text)
+                continue
             self.whole.add(" ".join(words))
             if len(words) < min_words:
                 continue
@@ -92,23 +97,30 @@ class Decontaminator:
 
 
 def eval_texts(paths: Iterable[str | Path]) -> list[str]:
-    """The prompts of evaluation files, for ``Decontaminator``: every string under ``turns`` (MT-Bench),
-    ``prompt`` (HumanEval) or ``question`` (GSM8K) of each record."""
+    """The prompts of evaluation files, for ``Decontaminator``: every string under ``turns`` (MT-Bench), the
+    user turns of any other record ``train/data.py`` reads (HumanEval's ``prompt``, GSM8K's ``question``,
+    ShareGPT, Alpaca, plain text). A file without a single prompt is an error: it would check nothing."""
     out: list[str] = []
     for path in map(Path, paths):
+        found: list[str] = []
         for record in _records(path):
-            if not isinstance(record, dict):
-                continue
-            turns = record.get("turns")
-            out += [t for t in turns if isinstance(t, str)] if isinstance(turns, list) else []
-            out += [record[k] for k in ("prompt", "question") if isinstance(record.get(k), str)]
+            turns = record.get("turns") if isinstance(record, dict) else None
+            if isinstance(turns, list):
+                found += [t for t in turns if isinstance(t, str)]
+            elif (conv := conversation_from_record(record)) is not None:
+                found += conv.user_turns
+        if not found:
+            raise ValueError(f"decontaminate: {path} holds no prompts (MT-Bench turns, prompt, question, ...)")
+        out += found
     return out
 
 
 def select(generated: list[tuple[str, str | None]], decontaminator: Decontaminator | None = None,
-           ) -> tuple[list[str], dict]:
-    """(kept requests, stats) from ``(text, finish_reason)`` pairs in order; see the module doc for the rules.
-    Every pair is counted once: ``kept`` plus the dropped counts equal ``generated``."""
+           markup: Iterable[str] = MARKUP) -> tuple[list[str], dict]:
+    """(kept requests, stats) from ``(text, finish_reason)`` pairs in order, each text decoded with its control
+    tokens kept (``markup``: their texts); see the module doc for the rules. Every pair is counted once: ``kept``
+    plus the dropped counts equal ``generated``."""
+    markup = tuple(markup)
     stats = {"generated": len(generated), "kept": 0, "cut_at_max_tokens": 0, "too_short": 0, "markup": 0,
              "duplicate": 0, "contaminated": 0}
     kept: list[str] = []
@@ -119,7 +131,7 @@ def select(generated: list[tuple[str, str | None]], decontaminator: Decontaminat
             stats["cut_at_max_tokens"] += 1
         elif len(text) < MIN_CHARS:
             stats["too_short"] += 1
-        elif any(m in text for m in MARKUP):
+        elif any(m in text for m in markup):
             stats["markup"] += 1
         elif _normalised(text) in seen:
             stats["duplicate"] += 1
@@ -146,11 +158,21 @@ def synthesize(engine, tokenizer, n: int, max_tokens: int = 256, temperature: fl
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
               for i in range(n)]
     reqs = engine.generate([ids] * n, params) if n else []
-    kept, stats = select([(r.output_text, r.finish_reason) for r in reqs], decontaminator)
+    special = tokenizer.special_token_ids
+    markup = {*MARKUP, *(tokenizer.decode([i], skip_special_tokens=False) for i in special)}
+    kept, stats = select([(request_text(tokenizer, r.output_ids, r.finish_reason), r.finish_reason) for r in reqs],
+                         decontaminator, markup)
     stats["examples"] = kept[:EXAMPLES]
     stats["generated_tokens"] = sum(len(r.output_ids) for r in reqs)
     stats["seconds"] = time.perf_counter() - start
     return [Conversation([text], system=system, source=SOURCE) for text in kept], stats
+
+
+def request_text(tokenizer, output_ids: list[int], finish_reason: str | None) -> str:
+    """A sampled request's text with its control tokens kept (the end-of-turn token that ended it dropped)."""
+    if finish_reason == "stop" and output_ids and output_ids[-1] in tokenizer.eos_token_ids:
+        output_ids = output_ids[:-1]
+    return tokenizer.decode(output_ids, skip_special_tokens=False)
 
 
 def write(conversations: list[Conversation], path: str | Path) -> None:

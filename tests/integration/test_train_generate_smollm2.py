@@ -189,7 +189,7 @@ def test_the_target_writes_requests_that_train_like_any_prompt(engine, tmp_path)
     ``generate_data`` answers them as training conversations (none held out)."""
     from specserve.config import TrainDraftConfig
     from specserve.train.pipeline import generate_data
-    from specserve.train.self_prompts import SOURCE, Decontaminator, pre_query_ids, select, synthesize
+    from specserve.train.self_prompts import SOURCE, Decontaminator, pre_query_ids, request_text, select, synthesize
 
     tok = engine.tokenizer
     pre = pre_query_ids(tok)
@@ -203,6 +203,13 @@ def test_the_target_writes_requests_that_train_like_any_prompt(engine, tmp_path)
     raw = engine.generate([pre] * 6, [SamplingParams(max_tokens=48, temperature=1.0, top_p=0.95, seed=11 + i)
                                       for i in range(6)])
     assert [c.user_turns[0] for c in convs] == select([(r.output_text, r.finish_reason) for r in raw])[0]
+    # a control token inside a request is seen (decode would drop it silently) and the request dropped
+    body = tok.encode("Tell me a story <|endoftext|> about rain")
+    eot = tok.eos_token_ids[0]
+    text = request_text(tok, body + [eot], "stop")
+    assert text == "Tell me a story <|endoftext|> about rain" and request_text(tok, body, "length") == text
+    assert select([(text, "stop")], markup=[tok.decode([i], skip_special_tokens=False)
+                                            for i in tok.special_token_ids])[1]["markup"] == 1
     assert all(c.source == SOURCE and len(c.user_turns) == 1 for c in convs)
     # a request equal to an evaluation prompt is dropped
     dropped, dstats = synthesize(engine, tok, 6, max_tokens=48, seed=11,

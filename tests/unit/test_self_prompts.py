@@ -86,7 +86,7 @@ def test_select_keeps_first_clean_unique_requests_and_counts_every_one(generated
 
 
 def test_select_example() -> None:
-    generated = [("Write a poem about rain.", "stop"), ("write a poem  about RAIN.", "stop"),
+    generated = [("Write a poem about rain.", "stop"), ("write a poem  about RAIN!", "stop"),
                  ("A run-on text that never ended", "length"), ("Hi", "stop"),
                  ("What is <|im_start|> for?", "stop"),
                  ("How many clips did Natalia sell altogether in April and May?", "stop"),
@@ -114,7 +114,27 @@ def test_the_evaluation_sets_prompts_are_all_read_and_caught() -> None:
     texts = eval_texts(EVAL_FILES)
     assert len(texts) == 80 * 2 + 164 + 1319  # MT-Bench turns, HumanEval prompts, GSM8K test questions
     dec = Decontaminator(texts)
-    assert all(t in dec for t in texts)
+    # each prompt, inside other text and with its punctuation and line breaks changed, is still caught
+    assert all(f"Some words first: {' '.join(t.replace('?', ' ').split())}; more after." in dec for t in texts
+               if len(t.split()) >= 4)
     assert "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural" \
            " experiences and must-see attractions." in dec
     assert "Plan a three-day trip to Kyoto for a family with two children." not in dec
+
+
+def test_eval_texts_reads_any_prompt_format_and_refuses_a_file_without_prompts(tmp_path) -> None:
+    (tmp_path / "q.jsonl").write_text(json.dumps({"turns": ["First turn here.", "Second turn here."]}) + "\n"
+                                      + json.dumps({"question": "How many apples?", "answer": "3"}) + "\n")
+    (tmp_path / "c.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "Hello there"},
+                                                                   {"from": "gpt", "value": "Hi"}]}]))
+    (tmp_path / "p.txt").write_text("a plain prompt\n\n")
+    assert eval_texts([tmp_path / "q.jsonl", tmp_path / "c.json", tmp_path / "p.txt"]) == [
+        "First turn here.", "Second turn here.", "How many apples?", "Hello there", "a plain prompt"]
+    (tmp_path / "none.jsonl").write_text(json.dumps({"answer": "3"}) + "\n")
+    with pytest.raises(ValueError, match="none.jsonl holds no prompts"):
+        eval_texts([tmp_path / "none.jsonl"])
+
+
+def test_a_wordless_evaluation_prompt_matches_nothing() -> None:
+    dec = Decontaminator(["", "?!", "Describe five key principles of evaluation"])
+    assert "!!!" not in dec and "" not in dec and "describe FIVE key principles, of evaluation" in dec

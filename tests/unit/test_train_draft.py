@@ -488,6 +488,9 @@ def test_train_draft_cli_names_the_bad_field(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["train-draft", "--out", str(tmp_path)])
     assert "--prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--out", str(tmp_path), "--data", str(tmp_path), "--self-prompts", "10"])
+    assert "--self-prompts" in capsys.readouterr().err
     for bad, field in ((["--answers-per-conversation", "0"], "answers_per_conversation"),
                        (["--answers-per-conversation", "3", "--sampling-temperature", "0"], "answers_per_conversation"),
                        (["--answers-per-source", "sharegpt=two"], "answers_per_source"),

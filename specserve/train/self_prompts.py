@@ -73,12 +73,9 @@ class Decontaminator:
     def __init__(self, texts: Iterable[str], n: int = 8, min_words: int = 4) -> None:
         if n < 1 or min_words < 1:
             raise ValueError("n and min_words: must be >= 1")
-        self.n = n
         self.grams: dict[int, set[tuple[str, ...]]] = {}
         self.whole: set[str] = set()
-        self.num_texts = 0
         for text in texts:
-            self.num_texts += 1
             words = _words(text)
             if not words:  # nothing to match (an empty prompt would match every wordless text)
                 continue
@@ -127,18 +124,19 @@ def select(generated: list[tuple[str, str | None]], decontaminator: Decontaminat
     seen: set[str] = set()
     for text, reason in generated:
         text = text.strip()
+        key = _normalised(text)
         if reason != "stop":
             stats["cut_at_max_tokens"] += 1
         elif len(text) < MIN_CHARS:
             stats["too_short"] += 1
         elif any(m in text for m in markup):
             stats["markup"] += 1
-        elif _normalised(text) in seen:
+        elif key in seen:
             stats["duplicate"] += 1
         elif decontaminator is not None and text in decontaminator:
             stats["contaminated"] += 1
         else:
-            seen.add(_normalised(text))
+            seen.add(key)
             kept.append(text)
     stats["kept"] = len(kept)
     return kept, stats

@@ -28,6 +28,7 @@ import torch
 
 from specserve.bench.datasets import load_prompts, select_prompts
 from specserve.bench.machine import machine_info
+from specserve.bench.stats import acceptance_from_counts
 from specserve.config import HEAD_CPU_QUANTS, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import LLMEngine
 from specserve.models.loader import load_model
@@ -97,10 +98,9 @@ def main() -> int:
                 per = {}
                 for s in sets:
                     rs = [r for (rs_set, _), r in zip(flat, reqs) if rs_set == s]
-                    drafts = sum(r.spec_counters.num_drafts for r in rs)
-                    accepted = sum(r.spec_counters.num_accepted_tokens for r in rs)
-                    per[s] = {"mean_acceptance_length": 1 + accepted / max(drafts, 1), "num_drafts": drafts,
-                              "accepted_tokens": accepted, "output_tokens": sum(len(r.output_ids) for r in rs)}
+                    per[s] = acceptance_from_counts(*(sum(getattr(r.spec_counters, f) for r in rs) for f in (
+                        "num_drafts", "num_draft_tokens", "num_accepted_tokens")))
+                    per[s]["output_tokens"] = sum(len(r.output_ids) for r in rs)
                 per["seconds"] = seconds
                 report["results"].setdefault(name, {})[f"T={temperature:g}"] = per
                 if temperature == 0:

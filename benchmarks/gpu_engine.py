@@ -638,19 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-gemm-table", default=None,
                     help="JSON of quant_tiles.BF16_GEMM_TILES entries to use instead of the module's (as "
                          "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
-    ap.add_argument("--bf16-swiglu-table", default=None,
-                    help="JSON of quant_tiles.BF16_SWIGLU_TILES entries (benchmarks/triton_gemm_gpu.py "
-                         "--swiglu-table-out)")
     args = ap.parse_args(argv)
     import os
     gemm_table_json = json.loads(Path(args.bf16_gemm_table).read_text()) if args.bf16_gemm_table else None
-    swiglu_table_json = json.loads(Path(args.bf16_swiglu_table).read_text()) if args.bf16_swiglu_table else None
-    if gemm_table_json is not None or swiglu_table_json is not None:
+    if gemm_table_json is not None:
         from specserve.layers import quant_tiles
-        if gemm_table_json is not None:
-            quant_tiles.BF16_GEMM_TILES = gemm_table(gemm_table_json)
-        if swiglu_table_json is not None:
-            quant_tiles.BF16_SWIGLU_TILES = gemm_table(swiglu_table_json)
+        quant_tiles.BF16_GEMM_TILES = gemm_table(gemm_table_json)
     if args.out is None:
         args.out = str(Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_engine.json")
     device = torch.device(args.device)
@@ -671,8 +664,6 @@ def main(argv: list[str] | None = None) -> int:
     rep = Report(" ".join(["python", *sys.argv]), args.out)
     if gemm_table_json is not None:
         rep.data["bf16_gemm_table"] = gemm_table_json
-    if swiglu_table_json is not None:
-        rep.data["bf16_swiglu_table"] = swiglu_table_json
     rep.section("machine", machine_section, rep, device)
     rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
     rep.section("decode_and_verify", decode_section, rep, args, device, dtype)

@@ -3,22 +3,17 @@
 
 1. Per Llama-3.1-8B weight shape (qkv, o, gate_up, down; the LM head with float32 output) and row count (128, 256
    by default): cuBLAS (``F.linear`` / ``torch.mm(out_dtype=float32)``, as ``dense_linear`` calls it) and every
-   configuration of ``gemm_sweep()`` (``--sweeps``: "dp", one program per tile; "stream_k", persistent programs),
-   each timed the same way: a CUDA graph of ``--reps`` x (one call on each of several weight copies, enough copies
-   to hold >= 400 MB so the weights stream from HBM as in a forward, not from L2), median of 5 replays, per call.
-   The best configuration per (shape, M) is checked against an fp32 reference. With "swiglu" in ``--sweeps``,
-   gate_up followed by silu_and_mul (cuBLAS + the Triton silu kernel, the engine's unfused path) against the fused
-   ``gemm_swiglu`` configurations, the same way.
+   configuration of ``gemm_sweep()``, each timed the same way: a CUDA graph of ``--reps`` x (one call on each of
+   several weight copies, enough copies to hold >= 400 MB so the weights stream from HBM as in a forward, not from
+   L2), median of 5 replays, per call. The best configuration per (shape, M) is checked against an fp32 reference.
 2. The step A/B (``pdl_gpu.run_case``: graph-replayed target forward + LM head, graphs captured afresh per setting,
-   ``--rounds`` alternations): "cublas" (``BF16_GEMM_TILES`` and ``BF16_SWIGLU_TILES`` empty, the default) against
-   "triton" (the GEMM table built from part 1: every (shape, M) whose best configuration beat cuBLAS by
-   ``--min-gain``) and "triton+swiglu" (plus the fused gate_up table, where it won), for decode (q = 1) and
-   verify (q = 4, 8) steps at batch 32, plus issue 6's figure verify8 / decode for each setting.
+   ``--rounds`` alternations): "cublas" (``BF16_GEMM_TILES`` empty, the default) against "triton" (the table
+   built from part 1: every (shape, M) whose best configuration beat cuBLAS by ``--min-gain``), for decode (q = 1)
+   and verify (q = 4, 8) steps at batch 32, plus issue 6's figure verify8 / decode for both settings.
 
 Asserts nothing; prints tables, the suggested ``BF16_GEMM_TILES`` entries, and writes JSON.
 
-    python benchmarks/triton_gemm_gpu.py --out $OUT/triton_gemm_gpu.json --table-out $OUT/gemm_table.json \
-        --swiglu-table-out $OUT/swiglu_table.json
+    python benchmarks/triton_gemm_gpu.py --out $OUT/triton_gemm_gpu.json
 """
 
 from __future__ import annotations
@@ -51,27 +46,9 @@ _TILES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256
           (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 5), (64, 64, 64, 4, 6))
 
 
-# stream-K (one persistent program per SM, or two for the smaller tiles): (block_m, block_n, block_k, warps, stages,
-# programs per SM, tma)
-_STREAMK_TILES = ((128, 256, 64, 8, 3, 1, True), (128, 256, 64, 8, 4, 1, True), (256, 128, 64, 8, 3, 1, True),
-                  (256, 128, 64, 8, 4, 1, True), (128, 128, 64, 8, 4, 1, True), (128, 128, 64, 4, 4, 1, True),
-                  (128, 128, 64, 4, 5, 1, True), (128, 128, 128, 8, 3, 1, True), (64, 256, 64, 4, 4, 1, True),
-                  (128, 128, 64, 4, 4, 2, True), (64, 128, 64, 4, 6, 2, True), (64, 128, 128, 4, 4, 2, True),
-                  (128, 64, 128, 4, 4, 2, True), (128, 256, 64, 8, 3, 1, False), (128, 128, 64, 4, 4, 1, False))
-SWEEPS = ("dp", "stream_k", "swiglu")
-
-
-def gemm_sweep(sweeps: tuple[str, ...] = SWEEPS) -> list[TileConfig]:
-    """The configurations timed per (shape, M): "dp" (one program per output tile, pointer loads and TMA) and
-    "stream_k" (``_STREAMK_TILES``)."""
-    out = []
-    if "dp" in sweeps:
-        out += [TileConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, block_m=bm, tma=tma)
-                for tma in (False, True) for bm, bn, bk, w, s in _TILES]
-    if "stream_k" in sweeps:
-        out += [TileConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, block_m=bm, tma=tma, stream_k=True,
-                           programs_per_sm=per_sm) for bm, bn, bk, w, s, per_sm, tma in _STREAMK_TILES]
-    return out
+def gemm_sweep() -> list[TileConfig]:
+    return [TileConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, block_m=bm, tma=tma)
+            for tma in (False, True) for bm, bn, bk, w, s in _TILES]
 
 
 def llama8b_shapes() -> dict[str, tuple[int, int, bool]]:
@@ -93,8 +70,7 @@ def time_calls(calls: list, reps: int) -> float:
     return ge.graph_time_s(body) / (reps * len(calls))
 
 
-def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int,
-                sweeps: tuple[str, ...] = SWEEPS) -> dict:
+def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int) -> dict:
     dtype = torch.bfloat16
     copies = max(1, -(-400_000_000 // (n * k * 2)))
     gen = torch.Generator(device=device).manual_seed(n + k + m)
@@ -108,12 +84,10 @@ def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, r
     row = {"n": n, "k": k, "m": m, "copies": copies, "float_out": float_out}
     row["cublas_us"] = time_calls([cublas(w) for w in weights], reps) * 1e6
     configs = {}
-    counters = torch.zeros(4096, dtype=torch.int32, device=device)  # stream-K arrival counters, left zeroed
-    for cfg in gemm_sweep(sweeps):
+    for cfg in gemm_sweep():
         try:
             configs[cfg.describe()] = time_calls(
-                [lambda w=w, c=cfg: triton_gemm.gemm_linear(x, w, config=c, out_dtype=out_dtype, counters=counters)
-                 for w in weights],
+                [lambda w=w, c=cfg: triton_gemm.gemm_linear(x, w, config=c, out_dtype=out_dtype) for w in weights],
                 reps) * 1e6
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: record it, time the others
             configs[cfg.describe()] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -122,7 +96,7 @@ def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, r
     row |= {"configs_us": configs, "best": best, "best_us": timed[best],
             "speedup_vs_cublas": row["cublas_us"] / timed[best],
             "tflop_s": {"cublas": 2 * m * n * k / row["cublas_us"] / 1e6, "best": 2 * m * n * k / timed[best] / 1e6}}
-    cfg = next(c for c in gemm_sweep(sweeps) if c.describe() == best)
+    cfg = next(c for c in gemm_sweep() if c.describe() == best)
     ref = x.float() @ weights[0].float().t()
     got = triton_gemm.gemm_linear(x, weights[0], config=cfg, out_dtype=out_dtype).float()
     row["best_max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -131,55 +105,9 @@ def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, r
     return row
 
 
-# the fused gate_up + SiLU-and-multiply (gemm_swiglu, stream-K; two accumulators per tile): (block_m, block_n,
-# block_k, warps, stages, programs per SM)
-_SWIGLU_TILES = ((128, 64, 64, 8, 4, 1), (128, 64, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1),
-                 (64, 128, 64, 4, 4, 1), (256, 64, 64, 8, 3, 1), (64, 64, 64, 4, 5, 2), (128, 64, 128, 8, 3, 1))
-
-
-def swiglu_sweep() -> list[TileConfig]:
-    return [TileConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, block_m=bm, tma=True, stream_k=True,
-                       programs_per_sm=per_sm) for bm, bn, bk, w, s, per_sm in _SWIGLU_TILES]
-
-
-def sweep_swiglu(n: int, k: int, m: int, device: torch.device, reps: int) -> dict:
-    """gate_up ([n, k], n = 2 x intermediate) then silu_and_mul: cuBLAS + the Triton silu kernel (the engine's
-    unfused path) against ``gemm_swiglu`` per configuration, same timing as ``sweep_shape``."""
-    from specserve.layers.triton_ops import TritonOps
-    ops = TritonOps()
-    dtype = torch.bfloat16
-    copies = max(1, -(-400_000_000 // (n * k * 2)))
-    gen = torch.Generator(device=device).manual_seed(n + k + m + 1)
-    weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
-    row = {"n": n, "k": k, "m": m, "copies": copies}
-    row["cublas_silu_us"] = time_calls([lambda w=w: ops.silu_and_mul(F.linear(x, w)) for w in weights], reps) * 1e6
-    row["cublas_us"] = time_calls([lambda w=w: F.linear(x, w) for w in weights], reps) * 1e6
-    counters = torch.zeros(4096, dtype=torch.int32, device=device)
-    configs = {}
-    for cfg in swiglu_sweep():
-        try:
-            configs[cfg.describe()] = time_calls(
-                [lambda w=w, c=cfg: triton_gemm.gemm_swiglu(x, w, c, counters=counters) for w in weights], reps) * 1e6
-        except Exception as exc:  # noqa: BLE001
-            configs[cfg.describe()] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    timed = {d: t for d, t in configs.items() if isinstance(t, float)}
-    best = min(timed, key=timed.get)
-    cfg = next(c for c in swiglu_sweep() if c.describe() == best)
-    ref = ops.silu_and_mul((x.float() @ weights[0].float().t()).to(dtype)).float()
-    got = triton_gemm.gemm_swiglu(x, weights[0], cfg, counters=counters).float()
-    row |= {"configs_us": configs, "best": best, "best_us": timed[best],
-            "speedup_vs_cublas_silu": row["cublas_silu_us"] / timed[best],
-            "best_max_rel_err": ((got - ref).abs().max() / ref.abs().max()).item()}
-    del weights
-    ge.free(device)
-    return row
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="128,256")
-    ap.add_argument("--sweeps", default=",".join(SWEEPS), help=f"comma-separated, of {SWEEPS}")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--min-gain", type=float, default=1.03, help="table entries need this speedup over cuBLAS")
     ap.add_argument("--context", type=int, default=512)
@@ -189,8 +117,6 @@ def main() -> int:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--table-out", default=None, help="also write the suggested table as JSON (gpu_engine.py "
                                                        "--bf16-gemm-table reads it)")
-    ap.add_argument("--swiglu-table-out", default=None, help="also write the suggested BF16_SWIGLU_TILES as JSON "
-                                                              "(gpu_engine.py --bf16-swiglu-table reads it)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "triton_gemm_gpu.json"))
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -201,42 +127,20 @@ def main() -> int:
                "step_s": "pdl_gpu.run_case: median graph-replayed target forward + LM head per setting",
                "verify_vs_decode": "step_s at q = 8 / step_s at q = 1, batch 32, same setting (issue 6's "
                                    "verify8_vs_decode_b32, here from this script's own A/B)"},
-           "gemm": [], "table": {}, "swiglu": [], "engine": []}
+           "gemm": [], "table": {}, "engine": []}
     start = time.perf_counter()
     rows = [int(r) for r in args.rows.split(",")]
-    sweeps = tuple(args.sweeps.split(","))
     table: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
-    gemm_shapes = llama8b_shapes() if {"dp", "stream_k"} & set(sweeps) else {}
-    for name, (n, k, float_out) in gemm_shapes.items():
+    for name, (n, k, float_out) in llama8b_shapes().items():
         for m in rows:
-            row = {"name": name} | sweep_shape(n, k, float_out, m, device, args.reps, sweeps)
+            row = {"name": name} | sweep_shape(n, k, float_out, m, device, args.reps)
             out["gemm"].append(row)
             win = row["speedup_vs_cublas"] >= args.min_gain
-            table.setdefault((n, k), {})[m] = (next(c for c in gemm_sweep(sweeps) if c.describe() == row["best"])
+            table.setdefault((n, k), {})[m] = (next(c for c in gemm_sweep() if c.describe() == row["best"])
                                                if win else None)
             print(f"{name:8s} m={m:<4d} cublas {row['cublas_us']:8.1f} us  best {row['best_us']:8.1f} us "
                   f"x{row['speedup_vs_cublas']:.3f}  {row['best']}  err {row['best_max_rel_err']:.1e}", flush=True)
             Path(args.out).write_text(json.dumps(out, indent=2))
-    swiglu: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
-    if "swiglu" in sweeps:
-        n, k, _ = llama8b_shapes()["gate_up"]
-        for m in rows:
-            row = {"name": "gate_up+silu"} | sweep_swiglu(n, k, m, device, args.reps)
-            out["swiglu"].append(row)
-            win = row["speedup_vs_cublas_silu"] >= args.min_gain
-            swiglu.setdefault((n, k), {})[m] = (next(c for c in swiglu_sweep() if c.describe() == row["best"])
-                                                if win else None)
-            print(f"gate_up+silu m={m:<4d} cublas+silu {row['cublas_silu_us']:8.1f} us (cublas alone "
-                  f"{row['cublas_us']:.1f})  best fused {row['best_us']:8.1f} us x{row['speedup_vs_cublas_silu']:.3f}"
-                  f"  {row['best']}  err {row['best_max_rel_err']:.1e}", flush=True)
-            Path(args.out).write_text(json.dumps(out, indent=2))
-    swiglu = {key: v for key, v in swiglu.items() if any(c is not None for c in v.values())}
-    out["swiglu_table"] = {f"{n}x{k}": {m: (c.describe() if c else None) for m, c in v.items()}
-                           for (n, k), v in swiglu.items()}
-    if args.swiglu_table_out:
-        Path(args.swiglu_table_out).write_text(json.dumps(
-            {f"{n},{k}": {str(m): (dataclasses.asdict(c) if c else None) for m, c in v.items()}
-             for (n, k), v in swiglu.items()}, indent=1))
     table = {key: v for key, v in table.items() if any(c is not None for c in v.values())}
     out["table"] = {f"{n}x{k}": {m: (c.describe() if c else None) for m, c in v.items()} for (n, k), v in table.items()}
     if args.table_out:
@@ -246,12 +150,9 @@ def main() -> int:
     print("suggested BF16_GEMM_TILES:")
     for (n, k), v in table.items():
         print(f"    ({n}, {k}): {{" + ", ".join(f"{m}: {c.describe() if c else None}" for m, c in v.items()) + "},")
-    if not args.skip_engine and (table or swiglu):
-        pdl_gpu.SETTINGS = {"cublas": {(quant_tiles, "BF16_GEMM_TILES"): {}, (quant_tiles, "BF16_SWIGLU_TILES"): {}},
-                            "triton": {(quant_tiles, "BF16_GEMM_TILES"): table, (quant_tiles, "BF16_SWIGLU_TILES"): {}}}
-        if swiglu:
-            pdl_gpu.SETTINGS["triton+swiglu"] = {(quant_tiles, "BF16_GEMM_TILES"): table,
-                                                 (quant_tiles, "BF16_SWIGLU_TILES"): swiglu}
+    if not args.skip_engine and table:
+        pdl_gpu.SETTINGS = {"cublas": {(quant_tiles, "BF16_GEMM_TILES"): {}},
+                            "triton": {(quant_tiles, "BF16_GEMM_TILES"): table}}
         config = shape_config("llama-3.1-8b")
         model = ge.dummy_model(config, 2048, torch.bfloat16, device)
         runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib),
@@ -267,7 +168,7 @@ def main() -> int:
                 f"{s} {t * 1e3:.3f} ms" for s, t in row["step_s"].items())
                 + "  x" + " x".join(f"{v:.3f}" for v in row["speedup_vs_base"].values())), flush=True)
             Path(args.out).write_text(json.dumps(out, indent=2))
-        quant_tiles.BF16_GEMM_TILES, quant_tiles.BF16_SWIGLU_TILES = {}, {}
+        quant_tiles.BF16_GEMM_TILES = {}
         steps = {(r["batch"], r["query_len"]): r.get("step_s") for r in out["engine"]}
         if steps.get((32, 1)) and steps.get((32, 8)):
             out["verify_vs_decode"] = {s: steps[(32, 8)][s] / steps[(32, 1)][s] for s in steps[(32, 1)]}

@@ -54,7 +54,6 @@ def dense_linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
     float_out: bool = False,
-    counters: torch.Tensor | None = None,  # [n] int32 zeros: the caller's stream-K arrival counters (triton_gemm)
 ) -> torch.Tensor:  # [num_rows, out_features], x.dtype (float32 with float_out)
     """``F.linear``, or the Triton 16-bit GEMV (``triton_gemv.gemv_linear``: fp32 sums, one rounding) for
     ``0 < num_rows <= quant_tiles.BF16_GEMV_MAX_ROWS`` rows on a ``GEMV_DEVICE_TYPES`` device when the weight has
@@ -79,33 +78,12 @@ def dense_linear(
         if config is not None:
             from specserve.layers import triton_gemm  # lazily: Triton only where it runs
             if triton_gemm.gemm_supported(x, weight, bias):
-                return triton_gemm.gemm_linear(x, weight, bias, config=config, out_dtype=out_dtype,
-                                               counters=counters)
+                return triton_gemm.gemm_linear(x, weight, bias, config=config, out_dtype=out_dtype)
     if not float_out or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
     if x.device.type == "cuda" and x.dim() == 2 and bias is None:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight, bias).float()
-
-
-def dense_swiglu(
-    x: torch.Tensor,  # [num_rows, in_features]
-    weight: torch.Tensor,  # [2 * intermediate, in_features]: gate rows, then up rows
-    counters: torch.Tensor | None = None,  # [n] int32 zeros: the caller's stream-K arrival counters
-) -> torch.Tensor | None:  # [num_rows, intermediate], x.dtype
-    """``silu_and_mul(F.linear(x, weight))`` in one launch (``triton_gemm.gemm_swiglu``) when
-    ``quant_tiles.BF16_SWIGLU_TILES`` has a configuration for these rows and this weight shape on a
-    ``GEMV_DEVICE_TYPES`` device; None otherwise (the caller runs the projection and the activation apart)."""
-    if x.dim() != 2 or x.device.type not in GEMV_DEVICE_TYPES or weight.dim() != 2:
-        return None
-    config = quant_tiles.bf16_gemm_config(x.shape[0], weight.shape[0], weight.shape[1],
-                                          quant_tiles.BF16_SWIGLU_TILES)
-    if config is None or not config.stream_k:
-        return None
-    from specserve.layers import triton_gemm  # lazily: Triton only where it runs
-    if not triton_gemm.gemm_supported(x, weight) or weight.shape[0] % 2:
-        return None
-    return triton_gemm.gemm_swiglu(x, weight, config, counters=counters)
 
 
 # Row counts up to this use the block-quantized kernel when a layer has one; more rows use fp32. With int8
@@ -129,10 +107,6 @@ class Linear(nn.Linear):
     # Row counts up to this take ``quant``'s kernel, more take the fp32 path; None: ``use_quant_kernel``'s rule (a
     # target's layers, whose rows must not depend on the rows beside them). A draft head may pick its own.
     quant_max_rows: int | None = None
-    # Arrival counters of stream-K GEMM launches on this weight (triton_gemm), made at the first forward on a
-    # GEMV_DEVICE_TYPES device (a warm-up, before CUDA graphs are captured) and left zeroed by the kernel: one per
-    # output tile for tiles of >= 32 columns and up to 8 row tiles (a launch with more tiles makes its own).
-    gemm_counters: torch.Tensor | None = None
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -146,21 +120,4 @@ class Linear(nn.Linear):
             return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return dense_linear(x, self.weight, self.bias, counters=self._counters(x))
-
-    def _counters(self, x: torch.Tensor) -> torch.Tensor | None:  # [cdiv(out_features, 32) * 8] int32 zeros
-        if self.gemm_counters is None and x.device.type in GEMV_DEVICE_TYPES:
-            self.gemm_counters = torch.zeros(-(-self.out_features // 32) * 8, dtype=torch.int32, device=x.device)
-        return self.gemm_counters
-
-    def swiglu(
-        self,
-        x: torch.Tensor,  # [num_rows, in_features]
-    ) -> torch.Tensor | None:  # [num_rows, out_features // 2]
-        """``silu_and_mul(self(x))`` in one launch (``dense_swiglu``) for a plain 16-bit weight without bias, or None
-        (no fused configuration for these rows, or a packed / block-quantized / biased layer): call ``self(x)``."""
-        if self.bias is not None or self.packed is not None or (
-                self.quant is not None and (use_quant_kernel(x.shape[0], self.activation_quant)
-                                            if self.quant_max_rows is None else x.shape[0] <= self.quant_max_rows)):
-            return None
-        return dense_swiglu(x, self.weight, counters=self._counters(x))
+        return dense_linear(x, self.weight, self.bias)

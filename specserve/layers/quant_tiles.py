@@ -39,9 +39,6 @@ class TileConfig:
     - ``group_m`` / ``tma`` (the 16-bit GEMM, ``layers/triton_gemm.py``, only): row tiles per group of the
       program order (neighbouring programs share a weight tile), and operand loads through the tensor memory
       accelerator instead of pointer loads.
-    - ``stream_k`` (the 16-bit GEMM only): ``programs_per_sm`` persistent programs per multiprocessor, each taking
-      an equal share of all (output tile, K step) iterations instead of whole tiles (``triton_gemm``'s stream-K
-      schedule).
     - ``fp8_dot`` (W8A16 on e4m3 activations only): the tensor cores multiply the e4m3 weight and activation
       tiles as they are (an fp8 MMA), instead of converting both to fp16 in registers first; the weight tiles
       then stream through shared memory in ``num_stages`` stages without touching the registers.
@@ -57,16 +54,13 @@ class TileConfig:
     fp8_dot: bool = False
     group_m: int = 8
     tma: bool = False
-    stream_k: bool = False
-    programs_per_sm: int = 1
 
     def describe(self) -> str:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
                 f"use_dot={self.use_dot}" + (", fp8_dot=True" if self.fp8_dot else "")
                 + (f", group_m={self.group_m}" if self.group_m != 8 else "") + (", tma=True" if self.tma else "")
-                + (", stream_k=True" if self.stream_k else "")
-                + (f", programs_per_sm={self.programs_per_sm}" if self.programs_per_sm != 1 else "") + ")")
+                + ")")
 
 
 @dataclass
@@ -185,17 +179,10 @@ BF16_GEMM_MIN_ROWS = 64
 BF16_GEMM_TILES: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
 
 
-# The gate_up projection with SiLU-and-multiply fused into its epilogue (triton_gemm.gemm_swiglu, stream-K only):
-# keyed like BF16_GEMM_TILES by the gate_up weight's (2 * intermediate, hidden) shape; rows without an entry run
-# the projection (cuBLAS or BF16_GEMM_TILES) and then the separate silu_and_mul kernel.
-BF16_SWIGLU_TILES: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
-
-
-def bf16_gemm_config(m: int, n: int, k: int, table: dict | None = None) -> TileConfig | None:
-    """``BF16_GEMM_TILES``'s (or ``table``'s, e.g. ``BF16_SWIGLU_TILES``) configuration for M rows of an (N, K)
-    weight, or None (cuBLAS): no entry for the shape, M <= ``BF16_GEMM_MIN_ROWS``, M above the shape's largest
-    bucket, or a None entry."""
-    table = (BF16_GEMM_TILES if table is None else table).get((n, k))
+def bf16_gemm_config(m: int, n: int, k: int) -> TileConfig | None:
+    """``BF16_GEMM_TILES``'s configuration for M rows of an (N, K) weight, or None (cuBLAS): no entry for the
+    shape, M <= ``BF16_GEMM_MIN_ROWS``, M above the shape's largest bucket, or a None entry."""
+    table = BF16_GEMM_TILES.get((n, k))
     if not table or m <= BF16_GEMM_MIN_ROWS:
         return None
     bucket = next((b for b in sorted(table) if m <= b), None)

@@ -85,10 +85,6 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor | Fp8Activations,  # [num_tokens, hidden_size] (e4m3 + scales: gate_up is an Fp8Linear)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if isinstance(self.gate_up_proj, Linear) and isinstance(x, torch.Tensor):
-            act = self.gate_up_proj.swiglu(x)  # [num_tokens, intermediate_size], or None: not fused for these rows
-            if act is not None:
-                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         if fuse_fp8_input(self.down_proj, self.ops, "silu_and_mul_fp8"):
             return self.down_proj(self.ops.silu_and_mul_fp8(gate_up))

@@ -75,7 +75,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest query (1 + drafts) a captured step may have; longer ones run eagerly")
     g.add_argument("--cuda-graph-draft-steps", action=argparse.BooleanOptionalAction,
                    default=CudaGraphConfig.draft_steps,
-                   help="also capture an EAGLE-3 head's draft steps 2..k (one graph per batch bucket and k)")
+                   help="also capture an EAGLE-3 head's drafting: its ingest forward and all k draft steps "
+                        "(one graph per batch bucket, queue length and k), or steps 2..k after a long queue")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
     g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",

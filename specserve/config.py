@@ -108,10 +108,14 @@ class CudaGraphConfig:
     ``num_splits``: key-range splits of the captured decode kernel (None: chosen per bucket from the SM count).
     ``capture_at_startup``: capture q = 1 (and 1 + the server's ``num_spec_tokens``) for every bucket when the
     engine starts; other query lengths are captured the first time a step needs them.
-    ``draft_steps``: also capture an EAGLE-3 head's draft steps 2..k, one graph per (bucket, steps), captured on
-    first use (``spec/draft_graphs.py``). On by default: on the H200 (benchmarks/results/
-    gpu_engine_session13_sync.json, SmolLM2 shape, k = 4, side by side in one run) EAGLE-3 went from 132 to 341
-    output tokens/s at concurrency 1 and from 4842 to 7218 at 32."""
+    ``draft_steps``: also capture an EAGLE-3 head's drafting, captured on first use (``spec/draft_graphs.py``): its
+    ingest forward and all k draft steps as one graph per (bucket, longest queue, k) in steady decoding, else
+    steps 2..k as one per (bucket, steps) after an eager ingest. On by default: on the H200 (benchmarks/results/
+    gpu_engine_session13_sync.json, SmolLM2 shape, k = 4, side by side in one run) steps 2..k alone took EAGLE-3
+    from 132 to 341 output tokens/s at concurrency 1 and from 4842 to 7218 at 32; the ingest in the same graph
+    then took a step from 3.88 to 2.18 ms at concurrency 1 (spec_step_profile_gpu_before.json / _gpu.json) and the
+    random head's tokens/s from 313 to 608 at c = 1, 2,371 to 4,128 at 8, 5,159 to 12,078 at 32
+    (gpu_engine.json / gpu_engine_ingest_graphs.json, separate runs)."""
 
     enabled: bool = True
     batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES

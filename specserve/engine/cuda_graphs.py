@@ -45,8 +45,8 @@ the smaller graphs reuse the larger ones' intermediate memory.
 
 With ``capture=False`` the same padded static-buffer step runs eagerly (any device, any backend with
 ``prepare_static``): that is how the CPU tests check the padding, the buffers and the slot -1 rule against the
-ordinary path token for token. Draft steps stay eager here: an EAGLE-3 head's steps 2..k have their own static
-chain (``spec/draft_graphs.py``, ``CudaGraphConfig.draft_steps``); a draft model's steps are eager.
+ordinary path token for token. Draft steps stay eager here: an EAGLE-3 head's ingest and draft steps have their
+own static forwards (``spec/draft_graphs.py``, ``CudaGraphConfig.draft_steps``); a draft model's steps are eager.
 
 The technique is nano-vllm's and vLLM's (graphs per batch bucket, one pool, padded replay, slot -1 skipped).
 """

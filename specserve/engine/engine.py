@@ -140,8 +140,9 @@ class LLMEngine:
         self._spec_cap, self._spec_decided = None, False
 
     def _setup_draft_graphs(self, config: EngineConfig, model) -> None:
-        """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's draft steps 2..k
-        replay graphs too, captured on first use into the target graphs' memory pool (``spec/draft_graphs.py``)."""
+        """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's drafting (ingest and
+        draft steps, or steps 2..k alone after a long queue) replays graphs too, captured on first use into the
+        target graphs' memory pool (``spec/draft_graphs.py``)."""
         graphs = self.runner.graphs
         proposer = self.proposers.get("eagle3")
         if graphs is None or not graphs.capture or not config.cuda_graphs.draft_steps or proposer is None:

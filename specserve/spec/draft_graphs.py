@@ -18,6 +18,15 @@ Worked example: block_size 4, steps 2, bucket 2, one request R with c = 10 entri
     features[0] = f1 (the first draft's feature), features[1] = 0 (padding row)
     replay -> drafts[0] = [d2 x], drafts[1] = [d3 x]      (x: the padding row's, dropped)
 
+Ingest graphs (``run_ingest``). The head's ingest forward before the chain (each request's queued entries: its
+verified tokens with the target's features, 1 to k + 1 of them in steady decoding) is just as static once padded:
+rows of ``q`` entries per request (``q`` the longest queue; a shorter queue gets padding entries after its own,
+slot -1, and a seq_len grown by as many, so its real entries keep their positions and causality hides the
+padding, as in the target's padded steps, ``engine/cuda_graphs.py``), then each request's last real row gives the
+first draft and its feature, and the chain follows in the same graph: one replay and one device-to-host copy per
+drafting step, captured per (bucket, q, steps). Eagerly the ingest alone is ~1 ms of host work on an H200's host
+(``benchmarks/results/spec_step_profile_gpu.json``) for ~0.1 ms of device work.
+
 Padding rows write no KV (slot -1) and attend to one key. A request that asked for fewer drafts than the chain
 runs still gets the longer chain: its extra drafts are dropped, and the caller's ``truncate`` rolls back their
 positions as it does for every draft. With ``capture=False`` the same static forward runs eagerly (any device,
@@ -31,7 +40,12 @@ import time
 import torch
 
 from specserve.engine.cuda_graphs import StagingBuffer, bucket_for, bucket_sizes, capture_graph
-from specserve.layers.attention import AttentionMetadata
+from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
+
+# Longest queue of head entries per request an ingest graph takes (steady decoding queues k + 1 at most); longer
+# ones (a prefill chunk, catch-up after lazy steps, k > 7) ingest eagerly. Bounds the static feature buffer:
+# [largest bucket x this, n_aux x target hidden].
+INGEST_MAX_ENTRIES = 8
 
 
 class ChainGraphRunner:
@@ -56,13 +70,21 @@ class ChainGraphRunner:
         b, k = self.max_batch, max_steps
         self._staging = StagingBuffer(b + 3 * k * b + b * self.width, device)
         self.staging = self._staging.device
+        # ingest graphs: queues of up to max_ingest entries per request (k + 1 in steady decoding at k <= 7)
+        self.max_ingest = min(MAX_PADDED_QUERY_LEN, max_steps + 2, INGEST_MAX_ENTRIES)
+        q = self.max_ingest
+        self._ingest_staging = StagingBuffer(4 * b * q + 2 * b + 3 * k * b + b * self.width, device)
         with torch.inference_mode():
             self.block_tables = torch.zeros((b, self.width), dtype=torch.int64, device=device)
             self.features = torch.zeros((b, c.hidden_size), dtype=dtype, device=device)
             self.drafts = torch.zeros((k, b), dtype=torch.int64, device=device)
             self.query_start_loc = torch.arange(b + 1, dtype=torch.int64, device=device)  # one token per row
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
-        self.forwards: dict[tuple[int, int], object] = {}
+            self.ingest_features = torch.zeros((b * q, head.config.fc_in_features), dtype=dtype, device=device)
+            self.ingest_drafts = torch.zeros((1 + k, b), dtype=torch.int64, device=device)
+            # query_start_loc of ingest rows of q entries, per q: [b + 1] each
+            self.ingest_starts = [torch.arange(b + 1, dtype=torch.int64, device=device) * n for n in range(q + 1)]
+        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph | None] = {}  # (bucket, steps) / (bucket, q, steps)
+        self.forwards: dict[tuple[int, ...], object] = {}
         # graphs of one engine share a pool (they never replay at the same time): the target's, when given
         self.pool = (pool or torch.cuda.graph_pool_handle()) if capture else None
         self.capture_seconds = 0.0
@@ -165,3 +187,147 @@ class ChainGraphRunner:
         else:
             forward()
         return self.drafts[:steps, :n].t().tolist()
+
+    # ---- ingest + chain in one graph -----------------------------------------------------------
+    def fits_ingest(self, query_lens: list[int], steps: int, longest: int) -> bool:
+        """Requests queueing ``query_lens`` entries each, ``steps`` chain steps after the ingest, the longest
+        request (padded queue and chain included) ending at ``longest`` positions."""
+        return (bool(query_lens) and 0 <= steps <= self.max_steps and len(query_lens) <= self.max_batch
+                and 1 <= min(query_lens) and max(query_lens) <= self.max_ingest
+                and longest <= self.width * self.block_size)
+
+    def _ingest_views(self, bucket: int, q: int, steps: int):
+        """Views of the ingest staging: ids, positions, slots [B*q]; seq_lens, last rows [B]; chain positions,
+        slots, seq_lens [S, B]; tables [B, w]; real-row index [B*q] (its first T entries used)."""
+        s, b, t, sb = self._ingest_staging.device, bucket, bucket * q, steps * bucket
+        at = [0]
+
+        def take(n: int) -> torch.Tensor:
+            view = s[at[0]:at[0] + n]
+            at[0] += n
+            return view
+        ids, pos, slots, lens, last = take(t), take(t), take(t), take(b), take(b)
+        cpos, cslots, clens = take(sb).view(steps, b), take(sb).view(steps, b), take(sb).view(steps, b)
+        tables = take(b * self.width).view(b, self.width)
+        return ids, pos, slots, lens, last, cpos, cslots, clens, tables, take(t)
+
+    def _ingest_values(self, input_ids: list[int], query_lens: list[int], computed: list[int],
+                       tables: list[list[int]], bucket: int, q: int, steps: int) -> list[int]:
+        """Staging values in ``_ingest_views``' order. Request r with c cached entries and n queued: rows
+        r*q .. r*q + n - 1 hold its entries at positions c .. c + n - 1, then q - n padding rows (token 0, slot -1);
+        its seq_len is c + q, its last real row r*q + n - 1; chain step s writes position c + n + s - 1 and sees
+        c + n + s keys. Padding requests: token 0, positions 0.., slot -1, seq_len q, last row r*q, one key per
+        chain step. Worked example, block_size 4, q 2, steps 1: one request with c = 9, n = 1, table [3, 6, 8]:
+        ids [t, 0], positions [9, 10], slots [8*4 + 1, -1], seq_len 11, last 0, chain position 10, slot 8*4 + 2,
+        seq_len 11."""
+        bs, pad = self.block_size, bucket - len(query_lens)
+        ids, pos, slots, lens, last, index = [], [], [], [], [], []
+        at = 0
+        for r, (n, c, table) in enumerate(zip(query_lens, computed, tables)):
+            ids += input_ids[at:at + n] + [0] * (q - n)
+            at += n
+            pos += list(range(c, c + q))
+            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)] + [-1] * (q - n)
+            lens.append(c + q)
+            last.append(r * q + n - 1)
+            index += range(r * q, r * q + n)
+        for r in range(len(query_lens), bucket):
+            ids += [0] * q
+            pos += list(range(q))
+            slots += [-1] * q
+            lens.append(q)
+            last.append(r * q)
+        cpos, cslots, clens = [], [], []
+        for s in range(1, steps + 1):
+            for n, c, table in zip(query_lens, computed, tables):
+                p = c + n + s - 1
+                cpos.append(p)
+                cslots.append(table[p // bs] * bs + p % bs)
+                clens.append(p + 1)
+            cpos += [0] * pad
+            cslots += [-1] * pad
+            clens += [1] * pad
+        flat = []
+        for table in tables:
+            row = table[:self.width]
+            flat += row + [0] * (self.width - len(row))
+        flat += [0] * (pad * self.width)
+        return ids + pos + slots + lens + last + cpos + cslots + clens + flat + index
+
+    def _ingest_forward_for(self, bucket: int, q: int, steps: int):
+        ids, pos, slots, lens, last, cpos, cslots, clens, _, _ = self._ingest_views(bucket, q, steps)
+        tables = self.block_tables[:bucket]  # [B, width]
+        t = bucket * q
+        choose = getattr(self.backend, "graph_num_splits", None)
+        num_splits = choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
+        ingest_meta = AttentionMetadata(num_tokens=t, query_lens=[q] * bucket, seq_lens=[], slot_mapping=slots,
+                                        block_tables=tables, query_start_loc=self.ingest_starts[q][:bucket + 1])
+        metas = [AttentionMetadata(num_tokens=bucket, query_lens=[1] * bucket, seq_lens=[], slot_mapping=cslots[s],
+                                   block_tables=tables, query_start_loc=self.query_start_loc[:bucket + 1])
+                 for s in range(steps)]
+        head, kv, backend, block_size = self.head, self.kv, self.backend, self.block_size
+        features, drafts = self.ingest_features, self.ingest_drafts
+
+        def forward() -> None:
+            backend.prepare_static(ingest_meta, block_size, lens.to(torch.int32), q, num_splits)
+            hidden = head.fuse(features[:t])  # [B*q, hidden]
+            normed, fed = head(ids, hidden, pos, kv.kv_caches, ingest_meta, backend)
+            fed = fed.index_select(0, last)  # [B, hidden]: each request's last real entry
+            nxt = head.draft_token_ids(normed.index_select(0, last))  # [B] first drafts
+            drafts[0, :bucket].copy_(nxt)
+            for s, meta in enumerate(metas):
+                backend.prepare_static(meta, block_size, clens[s].to(torch.int32), 1, num_splits)
+                normed, fed = head(nxt, fed, cpos[s], kv.kv_caches, meta, backend)
+                nxt = head.draft_token_ids(normed)
+                drafts[s + 1, :bucket].copy_(nxt)
+
+        return forward
+
+    def _ingest_step(self, bucket: int, q: int, steps: int):
+        key = (bucket, q, steps)
+        if key not in self.forwards:
+            self.forwards[key] = forward = self._ingest_forward_for(bucket, q, steps)
+            self.graphs[key] = None
+            if self.capture:
+                self._ingest_load(self._ingest_values([], [], [], [], bucket, q, steps), bucket, q, steps)
+                self.ingest_features[:bucket * q].zero_()
+                start = time.perf_counter()
+                self.graphs[key] = capture_graph(forward, self.pool, self.device)  # all padding: no KV writes
+                self.capture_seconds += time.perf_counter() - start
+        return self.forwards[key], self.graphs[key]
+
+    def _ingest_load(self, values: list[int], bucket: int, q: int, steps: int) -> None:
+        self._ingest_staging.load(values)
+        self.block_tables[:bucket].copy_(self._ingest_views(bucket, q, steps)[8])
+
+    @torch.inference_mode()
+    def run_ingest(
+        self,
+        input_ids: list[int],  # [sum(query_lens)] packed: each request's queued entries' tokens
+        features: torch.Tensor,  # [sum(query_lens), fc_in_features] their target features (unfused), packed
+        query_lens: list[int],  # [num_rows] queued entries per request
+        computed: list[int],  # [num_rows] head entries cached before the ingest
+        tables: list[list[int]],  # [num_rows][blocks] head block tables, query_len + steps positions reserved
+        steps: int,
+    ) -> list[list[int]]:  # [num_rows][1 + steps] drafts 1 .. steps + 1
+        n = len(query_lens)
+        bucket = bucket_for(self.buckets, n)
+        q = max(query_lens)
+        assert bucket is not None and self.fits_ingest(query_lens, steps, max(computed) + q + steps), \
+            "ingest does not fit"
+        forward, graph = self._ingest_step(bucket, q, steps)  # may capture: before these values load
+        values = self._ingest_values(input_ids, query_lens, computed, tables, bucket, q, steps)
+        self._ingest_load(values, bucket, q, steps)
+        t, t_real = bucket * q, features.shape[0]
+        if t_real == t:
+            self.ingest_features[:t].copy_(features)
+        else:  # padding rows are zeros; real rows go to their padded places
+            self.ingest_features[:t].zero_()
+            index = self._ingest_views(bucket, q, steps)[9][:t_real]
+            self.ingest_features.index_copy_(0, index, features.to(self.ingest_features.dtype))
+        if graph is not None:
+            graph.replay()
+            self.num_replays += 1
+        else:
+            forward()
+        return self.ingest_drafts[:1 + steps, :n].t().tolist()

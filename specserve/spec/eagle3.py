@@ -40,13 +40,15 @@ class Eagle3Proposer:
         self.device = device
         # request id -> (request, [(position_start, features [num_tokens, n_aux * target_hidden])])
         self.pending: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
-        self.chain: ChainGraphRunner | None = None  # static / captured draft steps 2..k (``use_chain_graphs``)
+        self.chain: ChainGraphRunner | None = None  # static / captured drafting (``use_chain_graphs``)
 
     def use_chain_graphs(self, batch_sizes: tuple[int, ...], max_num_seqs: int, max_steps: int,
                          max_positions: int, capture: bool, pool=None) -> None:
-        """Run draft steps 2..k as one static forward per (batch bucket, steps), a CUDA graph when ``capture``
-        (``spec/draft_graphs.py``; ``pool``: the memory pool to capture into, e.g. the target graphs'); batches
-        that do not fit keep the eager loop."""
+        """Run the drafting as static forwards, CUDA graphs when ``capture`` (``spec/draft_graphs.py``; ``pool``:
+        the memory pool to capture into, e.g. the target graphs'): the ingest and all k draft steps as one per
+        (batch bucket, longest queue, steps) when every drafting request queued a few entries (steady decoding),
+        else draft steps 2..k as one per (batch bucket, steps) after an eager ingest; batches that fit neither keep
+        the eager loop."""
         self.chain = ChainGraphRunner(self.head, self.kv, batch_sizes, max_num_seqs, max_steps, max_positions,
                                       self.device, capture, pool)
 
@@ -96,6 +98,10 @@ class Eagle3Proposer:
     def propose(self, requests: list[Request], num_spec_tokens: list[int]) -> list[Draft]:
         if not self.pending:
             return [Draft([]) for _ in requests]
+        if self.chain is not None:
+            drafts = self._propose_static(requests, num_spec_tokens)
+            if drafts is not None:
+                return drafts
         rids, query_lens, input_ids, positions, feats, last_real = self._ingest_inputs({})
         self.pending.clear()
         head, kv = self.head, self.kv
@@ -118,6 +124,27 @@ class Eagle3Proposer:
         for r in requests:
             kv.truncate(r.request_id, r.num_tokens - 1)
         return [Draft(t) for t in tokens]
+
+    def _propose_static(self, requests: list[Request], num_spec_tokens: list[int]) -> list[Draft] | None:
+        """Ingest and every draft step in one static forward (``ChainGraphRunner.run_ingest``) when exactly the
+        drafting requests have entries queued and the batch fits it; None, with nothing changed, otherwise (the
+        eager ingest then runs, and the chain alone may still take the later steps)."""
+        if len(self.pending) != len(requests) or any(r.request_id not in self.pending for r in requests):
+            return None
+        steps = max(num_spec_tokens) - 1
+        rids, query_lens, input_ids, _, feats, _ = self._ingest_inputs({})
+        computed = [self.kv.computed(rid) for rid in rids]
+        if not self.chain.fits_ingest(query_lens, steps, max(computed) + max(query_lens) + steps):
+            return None
+        self.pending.clear()
+        tables = []
+        for rid, n in zip(rids, query_lens):
+            tables.append(self.kv.reserve([rid], n + steps)[1][0])
+        drafts = dict(zip(rids, self.chain.run_ingest(input_ids, torch.cat(feats) if len(feats) > 1 else feats[0],
+                                                      query_lens, computed, tables, steps)))
+        for r in requests:
+            self.kv.truncate(r.request_id, r.num_tokens - 1)
+        return [Draft(drafts[r.request_id][:n]) for r, n in zip(requests, num_spec_tokens)]
 
     def _steps(self, requests: list[Request], num_spec_tokens: list[int], drafting: list[int],
                tokens: list[list[int]], fed: torch.Tensor) -> None:

@@ -297,28 +297,72 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
     """Draft steps 2..k run as one padded static forward (eagerly here: ``capture=False``) draft exactly what the
     from-scratch reference does, with chunked prefill, requests asking for different k (each gets its own
     count; the chain runs the longest), batches padded to a bucket, and batches larger than the largest bucket
-    (buckets (1, 2), four requests) falling back to the eager loop."""
+    (buckets (1, 2), four requests) falling back to the eager loop. In steady decoding the ingest runs in the
+    same static forward (``run_ingest``); right after a prefill chunk (a long queue) the ingest is eager and the
+    chain alone is static."""
     from specserve.spec.params import SpecParams
 
     engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=4),
                          max_num_batched_tokens=budget, block_size=4)
     proposer = engine.proposers["eagle3"]
     proposer.use_chain_graphs(buckets, max_num_seqs=64, max_steps=7, max_positions=600, capture=False)
-    runs = []
-    inner = proposer.chain.run
+    runs, ingests = [], []
+    inner, inner_ingest = proposer.chain.run, proposer.chain.run_ingest
     proposer.chain.run = lambda *a: runs.append(len(a[0])) or inner(*a)
+    proposer.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner_ingest(*a)
     drafts = record_drafts(proposer)
     ks = [SpecParams("eagle3", k) for k in (4, 2, 7, 1)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 12, 30, 30)]
     reqs = engine.generate(prompts([5, 17, 3, 40]), params, ks)
-    assert len(drafts) > 20 and runs, "the static chain ran"
+    assert len(drafts) > 20 and runs and ingests, "the static chain and the static ingest ran"
     if buckets == (1, 2):  # four (or three) requests at once do not fit; the last two do
-        assert max(runs) <= 2
+        assert max(runs) <= 2 and max(map(len, ingests)) <= 2
     for tokens, k, draft in drafts:
         assert len(draft) == k
         assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
     plain = tiny_engine(max_num_batched_tokens=budget).generate(prompts([5, 17, 3, 40]), params)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+
+
+def test_static_ingest_pads_queues_of_different_lengths_like_the_eager_ingest() -> None:
+    """``run_ingest`` with queues of different lengths in one batch (padded to the longest: padding entries write no
+    KV and the real ones keep their positions) drafts exactly what the eager ingest + loop drafts, round after
+    round on the same head caches, for requests asking for different k, and leaves the head caches the same.
+    Features are random (the proposer takes them as given); fp32 on CPU, so both paths compute the same sums."""
+    from specserve.engine.request import Request
+    from specserve.spec.proposer import VerifiedChunk
+
+    target = tiny_engine().runner.model
+    head = make_head()
+    eager = Eagle3Proposer(head, target, 64, 4, CPU)
+    static = Eagle3Proposer(head, target, 64, 4, CPU)
+    static.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=7, max_positions=600, capture=False)
+    ingests = []
+    inner = static.chain.run_ingest
+    static.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner(*a)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, tiny_config().vocab_size, (3, 40), generator=gen).tolist()
+    reqs = {name: [Request(f"r{i}", list(tokens[i][:n]), GREEDY) for i, n in enumerate((7, 3, 2))]
+            for name in ("eager", "static")}
+    # per round: entries each request verified (its queue), then the drafts asked for
+    rounds = [((6, 2, 1), (3, 2, 5)), ((1, 3, 1), (4, 4, 4)), ((4, 1, 2), (1, 3, 2)), ((2, 2, 2), (7, 1, 2))]
+    width = head.config.fc_in_features
+    for queued, counts in rounds:
+        feats = torch.randn(sum(queued), width, generator=gen)
+        drafts = {}
+        for name, proposer in (("eager", eager), ("static", static)):
+            chunks, at = [], 0
+            for r, n in zip(reqs[name], queued):
+                start = proposer.kv.computed(r.request_id)  # entries start .. start + n - 1 pair with tokens
+                r.output_ids.extend(tokens[int(r.request_id[1:])][r.num_tokens:start + n + 1])  # .. up to start + n
+                chunks.append(VerifiedChunk(r, start, at, n))
+                at += n
+            proposer.observe(chunks, feats)
+            drafts[name] = [d.token_ids for d in proposer.propose(reqs[name], list(counts))]
+            assert [proposer.kv.computed(r.request_id) for r in reqs[name]] == [r.num_tokens - 1 for r in reqs[name]]
+        assert drafts["static"] == drafts["eager"]
+        assert [len(d) for d in drafts["static"]] == list(counts)
+    assert ingests == [q for q, _ in rounds]  # three padded batches, then one whose queues need no padding
 
 
 def test_static_draft_chain_leaves_the_head_cache_as_the_eager_loop_does() -> None:

@@ -105,11 +105,17 @@ class ChainGraphRunner:
     def _values(self, first_ids: list[int], computed: list[int], tables: list[list[int]], bucket: int,
                 steps: int) -> list[int]:
         """The staging values (layout of ``_views``; padding rows: token 0, position 0, slot -1, one key)."""
-        bs, pad = self.block_size, bucket - len(first_ids)
-        ids = list(first_ids) + [0] * pad
+        ids = list(first_ids) + [0] * (bucket - len(first_ids))
+        return ids + self._chain_values(computed, tables, bucket, steps) + self._table_values(tables, bucket)
+
+    def _chain_values(self, starts: list[int], tables: list[list[int]], bucket: int, steps: int) -> list[int]:
+        """Positions, slots and seq_lens ([steps, bucket] each, flattened) of the chain steps: request r's step s
+        (1-based) writes position ``starts[r] + s - 1`` and sees ``starts[r] + s`` keys; padding rows slot -1, one
+        key."""
+        bs, pad = self.block_size, bucket - len(starts)
         pos, slots, lens = [], [], []
         for s in range(1, steps + 1):
-            for c, table in zip(computed, tables):
+            for c, table in zip(starts, tables):
                 p = c + s - 1
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
@@ -117,26 +123,36 @@ class ChainGraphRunner:
             pos += [0] * pad
             slots += [-1] * pad
             lens += [1] * pad
+        return pos + slots + lens
+
+    def _table_values(self, tables: list[list[int]], bucket: int) -> list[int]:
+        """The block tables as ``bucket`` rows of ``width`` columns (zeros past a table's end and for padding)."""
         flat = []
         for table in tables:
             row = table[:self.width]
             flat += row + [0] * (self.width - len(row))
-        flat += [0] * (pad * self.width)
-        return ids + pos + slots + lens + flat
+        return flat + [0] * ((bucket - len(tables)) * self.width)
 
     def _load(self, values: list[int], bucket: int, steps: int) -> None:
         self._staging.load(values)
         self.block_tables[:bucket].copy_(self._views(bucket, steps)[4])
 
     # ---- build / capture -----------------------------------------------------------------------
+    def _num_splits(self, bucket: int) -> int | None:
+        choose = getattr(self.backend, "graph_num_splits", None)
+        return choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
+
+    def _chain_metas(self, bucket: int, slots: torch.Tensor, steps: int) -> list[AttentionMetadata]:
+        """One single-token step's metadata per chain step (``slots`` [S, B] static views)."""
+        return [AttentionMetadata(num_tokens=bucket, query_lens=[1] * bucket, seq_lens=[], slot_mapping=slots[s],
+                                  block_tables=self.block_tables[:bucket],
+                                  query_start_loc=self.query_start_loc[:bucket + 1])
+                for s in range(steps)]
+
     def _forward_for(self, bucket: int, steps: int):
         ids0, pos, slots, lens, _ = self._views(bucket, steps)
-        tables = self.block_tables[:bucket]  # [B, width]
-        choose = getattr(self.backend, "graph_num_splits", None)
-        num_splits = choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
-        metas = [AttentionMetadata(num_tokens=bucket, query_lens=[1] * bucket, seq_lens=[], slot_mapping=slots[s],
-                                   block_tables=tables, query_start_loc=self.query_start_loc[:bucket + 1])
-                 for s in range(steps)]
+        num_splits = self._num_splits(bucket)
+        metas = self._chain_metas(bucket, slots, steps)
         head, kv, backend, block_size = self.head, self.kv, self.backend, self.block_size
         features, drafts = self.features, self.drafts
 
@@ -220,7 +236,7 @@ class ChainGraphRunner:
         chain step. Worked example, block_size 4, q 2, steps 1: one request with c = 9, n = 1, table [3, 6, 8]:
         ids [t, 0], positions [9, 10], slots [8*4 + 1, -1], seq_len 11, last 0, chain position 10, slot 8*4 + 2,
         seq_len 11."""
-        bs, pad = self.block_size, bucket - len(query_lens)
+        bs = self.block_size
         ids, pos, slots, lens, last, index = [], [], [], [], [], []
         at = 0
         for r, (n, c, table) in enumerate(zip(query_lens, computed, tables)):
@@ -237,34 +253,17 @@ class ChainGraphRunner:
             slots += [-1] * q
             lens.append(q)
             last.append(r * q)
-        cpos, cslots, clens = [], [], []
-        for s in range(1, steps + 1):
-            for n, c, table in zip(query_lens, computed, tables):
-                p = c + n + s - 1
-                cpos.append(p)
-                cslots.append(table[p // bs] * bs + p % bs)
-                clens.append(p + 1)
-            cpos += [0] * pad
-            cslots += [-1] * pad
-            clens += [1] * pad
-        flat = []
-        for table in tables:
-            row = table[:self.width]
-            flat += row + [0] * (self.width - len(row))
-        flat += [0] * (pad * self.width)
-        return ids + pos + slots + lens + last + cpos + cslots + clens + flat + index
+        chain = self._chain_values([c + n for c, n in zip(computed, query_lens)], tables, bucket, steps)
+        return ids + pos + slots + lens + last + chain + self._table_values(tables, bucket) + index
 
     def _ingest_forward_for(self, bucket: int, q: int, steps: int):
         ids, pos, slots, lens, last, cpos, cslots, clens, _, _ = self._ingest_views(bucket, q, steps)
         tables = self.block_tables[:bucket]  # [B, width]
         t = bucket * q
-        choose = getattr(self.backend, "graph_num_splits", None)
-        num_splits = choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
+        num_splits = self._num_splits(bucket)
         ingest_meta = AttentionMetadata(num_tokens=t, query_lens=[q] * bucket, seq_lens=[], slot_mapping=slots,
                                         block_tables=tables, query_start_loc=self.ingest_starts[q][:bucket + 1])
-        metas = [AttentionMetadata(num_tokens=bucket, query_lens=[1] * bucket, seq_lens=[], slot_mapping=cslots[s],
-                                   block_tables=tables, query_start_loc=self.query_start_loc[:bucket + 1])
-                 for s in range(steps)]
+        metas = self._chain_metas(bucket, cslots, steps)
         head, kv, backend, block_size = self.head, self.kv, self.backend, self.block_size
         features, drafts = self.ingest_features, self.ingest_drafts
 

@@ -109,14 +109,23 @@ def test_convert_head_writes_the_peagle_head_with_the_targets_table(tmp_path, pa
 
 
 def test_static_draft_chain_drafts_what_the_eager_loop_drafts_on_smollm2(parts, prompt_ids, plain) -> None:
-    """The shipped head's draft steps 2..4 as one padded static forward per round (``spec/draft_graphs.py``, the
-    path CUDA graphs capture; eager here): the same drafts, hence the same acceptance counts, as the eager loop."""
-    spec = SpecConfig(method="eagle3", model=str(DEFAULT_EAGLE3_HEAD), num_spec_tokens=4)
+    """The shipped head's drafting as padded static forwards (``spec/draft_graphs.py``, the path CUDA graphs
+    capture; eager here): the ingest and draft steps 1..4 as one forward in steady decoding, steps 2..4 alone after
+    a prefill chunk. The same drafts, hence the same acceptance counts, as the eager path. The head runs in fp32
+    (``head_cpu_quant="none"``): with its default Q8_0 blocks, up to ``HEAD_QUANT_MAX_ROWS`` rows take the int8
+    kernel and more the fp32 path, so a padded ingest (bucket x longest queue rows) can take the other kernel
+    than the unpadded one and round a near-tie differently (still lossless: the output is plain greedy's)."""
+    spec = SpecConfig(method="eagle3", model=str(DEFAULT_EAGLE3_HEAD), num_spec_tokens=4, head_cpu_quant="none")
     eager = engine(parts, spec, budget=48).generate(prompt_ids, GREEDY)
     static = engine(parts, spec, budget=48)
-    static.proposers["eagle3"].use_chain_graphs((1, 2, 4), 16, 7, 1024 + 8, capture=False)
+    proposer = static.proposers["eagle3"]
+    proposer.use_chain_graphs((1, 2, 4), 16, 7, 1024 + 8, capture=False)
+    ingests = []
+    inner = proposer.chain.run_ingest
+    proposer.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner(*a)
     reqs = static.generate(prompt_ids, GREEDY)
     assert [r.output_ids for r in reqs] == plain
+    assert any(len(set(q)) > 1 for q in ingests), "padded ingests ran"
     counts = [(r.spec_counters.num_drafts, r.spec_counters.num_accepted_tokens) for r in reqs]
     assert counts == [(r.spec_counters.num_drafts, r.spec_counters.num_accepted_tokens) for r in eager]
 

@@ -142,8 +142,13 @@ class ChainGraphRunner:
         choose = getattr(self.backend, "graph_num_splits", None)
         return choose(bucket, self.num_kv_heads, self.device) if choose is not None else None
 
-    def _chain_metas(self, bucket: int, slots: torch.Tensor, steps: int) -> list[AttentionMetadata]:
-        """One single-token step's metadata per chain step (``slots`` [S, B] static views)."""
+    def _chain_metas(
+        self,
+        bucket: int,
+        slots: torch.Tensor,  # [steps, bucket] int64 static view of the staging: each step's KV slots
+        steps: int,
+    ) -> list[AttentionMetadata]:
+        """One single-token step's metadata per chain step, over the fixed block-table buffer."""
         return [AttentionMetadata(num_tokens=bucket, query_lens=[1] * bucket, seq_lens=[], slot_mapping=slots[s],
                                   block_tables=self.block_tables[:bucket],
                                   query_start_loc=self.query_start_loc[:bucket + 1])

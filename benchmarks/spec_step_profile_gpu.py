@@ -1,7 +1,8 @@
 """Where a speculative decode step's time goes on the GPU (GPU machine, not CI): the SmolLM2-135M shape (random
 weights, as gpu_engine.py's end-to-end section), one request at a time (concurrency 1), greedy, for plain decoding
 and for EAGLE-3 (a random head: every step drafts k and verifies k + 1 tokens; what a trained head accepts
-changes how many tokens a step yields, not what a step costs), with and without CUDA graphs for draft steps 2..k.
+changes how many tokens a step yields, not what a step costs), with drafting eager and with its CUDA graphs
+(``CudaGraphConfig.draft_steps``).
 
 Per method:
 - ``step_ms``: wall time per ``engine.step()`` over a 128-token generation (median of 3 runs);

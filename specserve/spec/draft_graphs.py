@@ -154,20 +154,32 @@ class ChainGraphRunner:
                                   query_start_loc=self.query_start_loc[:bucket + 1])
                 for s in range(steps)]
 
+    def _run_chain(
+        self,
+        ids: torch.Tensor,  # [bucket] int64 the drafts fed to the first chain step
+        fed: torch.Tensor,  # [bucket, hidden_size] their features
+        metas: list[AttentionMetadata],  # one per chain step (``_chain_metas``)
+        pos: torch.Tensor,  # [steps, bucket] int64 static views: each step's positions
+        lens: torch.Tensor,  # [steps, bucket] int64 static views: each step's seq_lens
+        drafts: torch.Tensor,  # [steps, >= bucket] int64: row s gets step s's drafts
+        num_splits: int | None,
+    ) -> None:
+        """The chain's single-token head steps, inside a static forward."""
+        bucket = ids.shape[0]
+        for s, meta in enumerate(metas):
+            self.backend.prepare_static(meta, self.block_size, lens[s].to(torch.int32), 1, num_splits)
+            normed, fed = self.head(ids, fed, pos[s], self.kv.kv_caches, meta, self.backend)
+            ids = self.head.draft_token_ids(normed)  # [B]
+            drafts[s, :bucket].copy_(ids)
+
     def _forward_for(self, bucket: int, steps: int):
         ids0, pos, slots, lens, _ = self._views(bucket, steps)
         num_splits = self._num_splits(bucket)
         metas = self._chain_metas(bucket, slots, steps)
-        head, kv, backend, block_size = self.head, self.kv, self.backend, self.block_size
         features, drafts = self.features, self.drafts
 
         def forward() -> None:
-            ids, fed = ids0, features[:bucket]
-            for s, meta in enumerate(metas):
-                backend.prepare_static(meta, block_size, lens[s].to(torch.int32), 1, num_splits)
-                normed, fed = head(ids, fed, pos[s], kv.kv_caches, meta, backend)
-                ids = head.draft_token_ids(normed)  # [B]
-                drafts[s, :bucket].copy_(ids)
+            self._run_chain(ids0, features[:bucket], metas, pos, lens, drafts, num_splits)
 
         return forward
 
@@ -279,11 +291,7 @@ class ChainGraphRunner:
             fed = fed.index_select(0, last)  # [B, hidden]: each request's last real entry
             nxt = head.draft_token_ids(normed.index_select(0, last))  # [B] first drafts
             drafts[0, :bucket].copy_(nxt)
-            for s, meta in enumerate(metas):
-                backend.prepare_static(meta, block_size, clens[s].to(torch.int32), 1, num_splits)
-                normed, fed = head(nxt, fed, cpos[s], kv.kv_caches, meta, backend)
-                nxt = head.draft_token_ids(normed)
-                drafts[s + 1, :bucket].copy_(nxt)
+            self._run_chain(nxt, fed, metas, cpos, clens, drafts[1:], num_splits)
 
         return forward
 

@@ -132,10 +132,11 @@ class Eagle3Proposer:
         if len(self.pending) != len(requests) or any(r.request_id not in self.pending for r in requests):
             return None
         steps = max(num_spec_tokens) - 1
+        queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+        computed = [self.kv.computed(rid) for rid in self.pending]
+        if not self.chain.fits_ingest(queued, steps, max(computed) + max(queued) + steps):
+            return None  # checked before _ingest_inputs builds anything: the eager path builds its own
         rids, query_lens, input_ids, _, feats, _ = self._ingest_inputs({})
-        computed = [self.kv.computed(rid) for rid in rids]
-        if not self.chain.fits_ingest(query_lens, steps, max(computed) + max(query_lens) + steps):
-            return None
         self.pending.clear()
         tables = []
         for rid, n in zip(rids, query_lens):

@@ -1,5 +1,6 @@
 """Where a speculative decode step's time goes on the GPU (GPU machine, not CI): the SmolLM2-135M shape (random
-weights, as gpu_engine.py's end-to-end section), one request at a time (concurrency 1), greedy, for plain decoding
+weights, as gpu_engine.py's end-to-end section), ``--concurrency`` requests at once (default 1), greedy or sampled
+(``--temperature``), for plain decoding
 and for EAGLE-3 (a random head: every step drafts k and verifies k + 1 tokens; what a trained head accepts
 changes how many tokens a step yields, not what a step costs), with drafting eager and with its CUDA graphs
 (``CudaGraphConfig.draft_steps``).
@@ -17,6 +18,7 @@ Per method:
 Asserts nothing; prints a table and writes JSON.
 
     python benchmarks/spec_step_profile_gpu.py --out $OUT/spec_step_profile_gpu.json
+    python benchmarks/spec_step_profile_gpu.py --concurrency 64 --methods none,eagle3_graphs --out ...
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def timed_phases(engine, totals: dict[str, float]):
                 delattr(obj, name)  # the instance attribute set above; the class's method shows again
 
 
-def steps_of(engine, prompt: list[int], params: SamplingParams, spec: SpecParams) -> int:
-    engine.add_request("p", prompt, params, spec)
+def steps_of(engine, prompts: list[list[int]], params: SamplingParams, spec: SpecParams) -> int:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params, spec)
     n = 0
     while engine.has_unfinished():
         engine.step()
@@ -96,8 +99,9 @@ def steps_of(engine, prompt: list[int], params: SamplingParams, spec: SpecParams
     return n
 
 
-def profile_method(engine, device, prompt, params, spec) -> dict:
-    engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), spec)  # warm-up
+def profile_method(engine, device, prompt: list[list[int]], params, spec) -> dict:
+    warm = SamplingParams(max_tokens=16, temperature=params.temperature, seed=params.seed, ignore_eos=True)
+    engine.generate(prompt, warm, spec)  # warm-up: kernels compiled and graphs captured at this batch
     walls = []
     for _ in range(3):
         ge.sync(device)
@@ -143,6 +147,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled (seed 0), rejection sampling")
+    ap.add_argument("--methods", default="none,eagle3,eagle3_graphs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check (the profile is the GPU's)")
     args = ap.parse_args()
@@ -151,16 +158,20 @@ def main() -> int:
     config = ge.shape_config("smollm2-135m")
     max_len = args.prompt_len + args.new_tokens + 64
     model = ge.dummy_model(config, max_len + 64, dtype, device)
-    prompt = ge.random_prompts(1, args.prompt_len, config.vocab_size, seed=1)[0]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    prompt = ge.random_prompts(args.concurrency, args.prompt_len, config.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True,
+                            seed=0 if args.temperature else None)
     result = {"command": " ".join(["python", *sys.argv]),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "shape": "smollm2-135m", "k": args.k, "methods": {}}
+              "torch": torch.__version__, "shape": "smollm2-135m", "k": args.k,
+              "concurrency": args.concurrency, "temperature": args.temperature, "methods": {}}
     head = SpecConfig(method="eagle3", model="dummy", num_spec_tokens=args.k)
     runs = {"none": (SpecConfig(), SPEC_OFF, False), "eagle3": (head, SpecParams("eagle3", args.k), False),
             "eagle3_graphs": (head, SpecParams("eagle3", args.k), True)}
-    for name, (spec_cfg, spec, graphs) in runs.items():
-        engine = ge.engine_for(model, config, device, 4, 2.0, max_len, 4096, spec=spec_cfg, draft_graphs=graphs)
+    for name in args.methods.split(","):
+        spec_cfg, spec, graphs = runs[name]
+        engine = ge.engine_for(model, config, device, max(4, args.concurrency), 2.0, max_len, 4096, spec=spec_cfg,
+                               draft_graphs=graphs)
         row = profile_method(engine, device, prompt, params, spec)
         result["methods"][name] = row
         print(f"{name:14s} step {row['step_ms']:.3f} ms  gpu busy {row['gpu_busy_ms']:.3f} ms  "

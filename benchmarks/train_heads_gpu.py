@@ -329,9 +329,10 @@ def eval_engine(args, heads: dict[str, Path], extra: dict | None = None):
     from specserve.spec.eagle3 import load_eagle_proposer
 
     gguf = join_gguf()
-    device = torch.device("cuda")
-    model, config, tok = load_model(str(gguf), "bfloat16", device, 2048)
-    engine_cfg = EngineConfig(device="cuda", cache=CacheConfig(kv_cache_memory_gib=40.0),
+    device = torch.device(args.device)
+    model, config, tok = load_model(str(gguf), "bfloat16" if device.type == "cuda" else "float32", device, 2048)
+    engine_cfg = EngineConfig(device=args.device, cache=CacheConfig(kv_cache_memory_gib=40.0 if device.type == "cuda"
+                                                                    else 1.0),
                               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                                                         max_model_len=2048))
     probe = LLMEngine(engine_cfg, model, config, tok, proposers={})
@@ -434,9 +435,15 @@ def speed(args) -> None:
     with no speculation, EAGLE-3 (``--eagle3-head``, the committed head by default) at k = 3 and 5, and n-gram
     at k = 3, the last two also with adaptive speculation (a fresh policy per row, its learning timed too),
     greedy, on the three evaluation sets; at concurrency 1 (the first ``--c1-prompts`` prompts of each
-    set one after another) and with the whole set submitted at once. Greedy speculation is lossless up to the
-    rounding of bf16 GEMMs over other row counts, so the outputs are compared with plain decoding's and the
-    share that is identical token for token is recorded. Writes $OUT/speed.json."""
+    set one after another), at concurrency 8 (the first ``--c8-prompts`` prompts, eight at a time) and with the
+    whole set submitted at once (run twice, the second timed: the first captures the draft graphs of the batch
+    buckets it passes through, as a warm server has, and an adaptive row's policy learns; the first run's time is
+    kept as ``first_run_seconds``). Greedy speculation is lossless up to the rounding of bf16 GEMMs over other row
+    counts, so the outputs are compared with plain decoding's and the share that is identical token for token is
+    recorded. With ``--sampled-temperature T`` also plain and EAGLE-3 (k = 3, 5) sampling at temperature T (seed 0
+    for every request, so the plain and speculative rows draw from the same distributions; outputs differ, as
+    rejection sampling draws other random numbers): the acceptance length a sampled request gets, and its speed.
+    Writes $OUT/speed.json."""
     from specserve.config import SpecConfig
     from specserve.sampling import SamplingParams
     from specserve.spec.ngram import NgramProposer
@@ -445,45 +452,62 @@ def speed(args) -> None:
 
     engine, ids = eval_engine(args, {"eagle3": ROOT / args.eagle3_head},
                               {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max)})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    # (method, k, adaptive): adaptive rows run with a fresh SpecPolicy (spec/policy.py), its learning included
-    methods = [("none", 0, False), ("eagle3", 3, False), ("eagle3", 5, False), ("ngram", 3, False),
-               ("eagle3", 3, True), ("ngram", 3, True)]
-    for method, k, _ in methods:  # warm-up: graph capture and kernel selection stay out of the timings
-        engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=0.0), SpecParams(method, k))
-    results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0), "head": args.eagle3_head,
-                     "max_tokens": args.max_tokens, "greedy": True, "c1_prompts": args.c1_prompts,
-                     "num_prompts": {k: len(v) for k, v in ids.items()}, "rows": []}
-    plain: dict = {}  # (set, mode) -> plain decoding's (outputs, tokens/s), the baseline of that row group
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    sampled = SamplingParams(max_tokens=args.max_tokens, temperature=args.sampled_temperature or 1.0, seed=0)
+    # (method, k, adaptive, temperature): adaptive rows run with a fresh SpecPolicy (spec/policy.py), its learning
+    # included; a temperature > 0 row samples (its baseline: the plain row at that temperature)
+    methods = [("none", 0, False, 0.0), ("eagle3", 3, False, 0.0), ("eagle3", 5, False, 0.0),
+               ("ngram", 3, False, 0.0), ("eagle3", 3, True, 0.0), ("ngram", 3, True, 0.0)]
+    if args.sampled_temperature:
+        methods += [(m, k, False, args.sampled_temperature) for m, k in (("none", 0), ("eagle3", 3), ("eagle3", 5))]
+    for method, k, _, temperature in methods:  # warm-up: graph capture and kernel selection stay out of the timings
+        engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=temperature, seed=0),
+                        SpecParams(method, k))
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    results: dict = {"command": " ".join(sys.argv), "head": args.eagle3_head,
+                     "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+                     "max_tokens": args.max_tokens, "greedy": not args.sampled_temperature,
+                     "sampled_temperature": args.sampled_temperature, "c1_prompts": args.c1_prompts,
+                     "c8_prompts": args.c8_prompts, "num_prompts": {k: len(v) for k, v in ids.items()}, "rows": []}
+    plain: dict = {}  # (set, mode, temperature) -> plain decoding's (outputs, tokens/s), that row group's baseline
     for name, prompts in ids.items():
-        for mode, batch in (("c1", prompts[:args.c1_prompts]), ("all", prompts)):
-            for method, k, adaptive in methods:
-                spec = SpecParams(method, k)
+        for mode, batch, group in (("c1", prompts[:args.c1_prompts], 1), ("c8", prompts[:args.c8_prompts], 8),
+                                   ("all", prompts, len(prompts))):
+            if mode not in args.modes.split(","):
+                continue
+            for method, k, adaptive, temperature in methods:
+                spec, params = SpecParams(method, k), sampled if temperature else greedy
                 engine.set_spec_policy(SpecPolicy(caps=(0, 1, max(1, k // 2))) if adaptive else None)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if mode == "c1":
-                    reqs = [r for p in batch for r in engine.generate([p], params, spec)]
-                else:
-                    reqs = engine.generate(batch, params, spec)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
+                runs = []  # "all" runs twice: the first captures the draft graphs of its batch buckets (and an
+                for _ in range(2 if mode == "all" else 1):  # adaptive row's policy learns); the second is timed
+                    sync()
+                    t0 = time.perf_counter()
+                    reqs = [r for i in range(0, len(batch), group)
+                            for r in engine.generate(batch[i:i + group], params, spec)]
+                    sync()
+                    runs.append(time.perf_counter() - t0)
+                seconds = runs[-1]
                 outs = [list(r.output_ids) for r in reqs]
                 tokens = sum(map(len, outs))
                 if method == "none":
-                    plain[(name, mode)] = (outs, tokens / seconds)
-                plain_outs, plain_tok_s = plain[(name, mode)]
+                    plain[(name, mode, temperature)] = (outs, tokens / seconds)
+                plain_outs, plain_tok_s = plain[(name, mode, temperature)]
                 drafts = sum(r.spec_counters.num_drafts for r in reqs)
                 acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
                 row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
-                       "adaptive": adaptive,
+                       "adaptive": adaptive, "temperature": temperature,
+                       "first_run_seconds": runs[0] if len(runs) > 1 else None,
                        "policy": engine.spec_policy.snapshot() if engine.spec_policy is not None else None,
                        "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                        "identical_to_plain": sum(a == b for a, b in zip(outs, plain_outs)) / max(len(outs), 1),
                        "speedup_vs_plain": tokens / seconds / plain_tok_s}
                 results["rows"].append(row)
-                print(f"{name:9s} {mode:3s} {method:6s} k={k}{'a' if adaptive else ' '}: {row['tok_s']:8.0f} tok/s "
+                print(f"{name:9s} {mode:3s} T={temperature:.1f} {method:6s} k={k}{'a' if adaptive else ' '}: "
+                      f"{row['tok_s']:8.0f} tok/s "
                       f"x{row['speedup_vs_plain']:.2f} AL {row['mean_acceptance_length'] or 1:.2f} "
                       f"same {row['identical_to_plain']:.2f}", flush=True)
                 OUT.mkdir(parents=True, exist_ok=True)
@@ -542,7 +566,7 @@ def main() -> int:
     ap.add_argument("--answers-per-conversation", type=int, default=1,
                     help="generate: answers per training conversation (the further ones sampled)")
     ap.add_argument("--shards", type=int, default=1, help="generate: processes sharing the GPU")
-    ap.add_argument("--device", default="cuda", help="generate: where the target runs (cpu: a wiring check)")
+    ap.add_argument("--device", default="cuda", help="generate / speed: where the target runs (cpu: a wiring check)")
     ap.add_argument("--kv-gib", type=float, default=80.0, help="generate: KV cache, split among the shards")
     ap.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # one shard's process
     ap.add_argument("--sources", nargs="+", default=TRAIN_SOURCES,
@@ -569,11 +593,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--gsm8k-limit", type=int, default=200)
     ap.add_argument("--sampled-temperature", type=float, default=0.0,
-                    help="eval, several --eagle3-dir: also each candidate's k = 5 AL at this temperature (seed 0)")
+                    help="eval, several --eagle3-dir: also each candidate's k = 5 AL at this temperature (seed 0); "
+                         "speed: also sampled rows at this temperature")
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--heads", type=Path, default=None)
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3", help="speed: the head (repo path)")
     ap.add_argument("--c1-prompts", type=int, default=12, help="speed: prompts per set run one at a time")
+    ap.add_argument("--c8-prompts", type=int, default=32, help="speed: prompts per set run eight at a time")
+    ap.add_argument("--modes", default="c1,c8,all", help="speed: which of c1, c8, all to run")
     args = ap.parse_args()
     {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),

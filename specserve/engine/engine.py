@@ -124,6 +124,7 @@ class LLMEngine:
         self._lazy_draft_steps = 0  # steps in a row whose drafter work was left for later (cap 0)
         self._draft_seconds = 0.0  # how long the last step's drafting took
         self._caught_up = False  # whether it caught the drafters up after cap-0 steps
+        self._draft_captured = False  # whether the last step's drafting captured a CUDA graph
         self._async_commit_time: float | None = None  # when the last overlapped step committed (same run)
         # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
         startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
@@ -231,10 +232,11 @@ class LLMEngine:
             if self._next_decode_is_certain(previous):
                 self._in_flight = self._try_launch_decode(self.scheduler.schedule(), previous.token_ids)
             return self._commit_decode(previous)
-        started = time.perf_counter()
+        started, captured = time.perf_counter(), self._capture_seconds()
         self._async_commit_time = None  # a synchronous step ends any run of overlapped steps
         cap, decided, drafting = self._spec_cap, self._spec_decided, self._draft_seconds
-        decided = decided and not self._caught_up  # that drafting paid for earlier cap-0 steps: not this cap's
+        # not this cap's cost: drafting that caught up on earlier cap-0 steps, or that captured a graph
+        decided = decided and not self._caught_up and not self._draft_captured
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
@@ -276,14 +278,28 @@ class LLMEngine:
             if s.num_spec_tokens:  # tokens a verified draft let this request commit (after stop conditions)
                 emitted_per_step.setdefault(s.request.spec.method, []).append(len(o.new_token_ids))
         verified = time.perf_counter()
+        decided = decided and self._capture_seconds() == captured  # a graph captured for this step's forward
+        captured = self._capture_seconds()
         self._draft(chunks, out.aux_hidden)
         self._draft_seconds = time.perf_counter() - verified
+        self._draft_captured = self._capture_seconds() != captured
         num_emitted = sum(len(o.new_token_ids) for o in outputs)
         if self.spec_policy is not None and decided and self._is_speculative_decode(sched):
             # this step's work on the drafts it verified, plus the drafting that made them (the last step's)
             self.spec_policy.record(len(sched.scheduled), cap, verified - started + drafting, num_emitted)
         self._record_step(sched, num_emitted, step_spec, emitted_per_step)
         return outputs
+
+    def _capture_seconds(self) -> float:
+        """Time spent capturing CUDA graphs so far, target's and drafters' (graphs are captured on first use of a
+        shape): a step during which it grew paid once for a capture, which the adaptive policy must not take for
+        the cost of its cap (one such step among few probes held a policy at cap 0 on the H200)."""
+        graphs = self.runner.graphs
+        total = graphs.capture_seconds if graphs is not None else 0.0
+        for proposer in self.proposers.values():
+            chain = getattr(proposer, "chain", None)  # EAGLE drafting graphs (spec/draft_graphs.py)
+            total += chain.capture_seconds if chain is not None else 0.0
+        return total
 
     @staticmethod
     def _is_speculative_decode(sched: SchedulerOutput) -> bool:

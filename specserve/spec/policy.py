@@ -7,13 +7,23 @@ next to the target's (on CPU, or for a tiny target, a draft step costs nearly a 
 ``num_spec_tokens`` is right for one point of that space only; vLLM's ``disable_by_batch_size`` switches
 speculation off above one fixed batch size.
 
-``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps an exponentially
-weighted moving average of goodput, committed tokens per second of step time, for each of a few caps on the
-draft length ("arms": no cap, and the engine's 0 = no drafts, 1, and half the server's ``num_spec_tokens``),
-measured on the engine's pure decode steps. It picks the best arm of the bucket, tries every arm once when a bucket is
-new (the largest first: a cold engine speculates as configured), and probes each other arm now and then, so
-that a change in traffic or load is seen: ``probe_every`` decisions after its last try, an interval that doubles
-with each probe that finds it clearly worse (so a losing arm costs ever less) and resets when it comes close.
+``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the goodput,
+committed tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0
+= no drafts, 1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: the
+median of an arm's last ``window`` measurements. It picks the best arm of the bucket, tries every arm when a
+bucket is new (the largest first: a cold engine speculates as configured), and probes each other arm now and
+then, so that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval
+that doubles with each probe that finds it clearly worse (so a losing arm costs ever less) and resets when it
+comes close.
+
+A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput is a median, because
+what the engine measures right after a switch is not what the arm yields: the step after drafting resumes
+pays for the drafters' catch-up (the engine credits it to no arm), and the first step at a new draft length or
+batch bucket may capture a CUDA graph (the engine credits no step that did) or compile a kernel (tens of
+milliseconds, once). With one-decision probes and a moving average, a probe of "no cap" after a run of cap-0
+steps was never credited at all, and one capture fixed an arm's goodput far below its worth: on the H200 a
+policy held SmolLM2 with the trained EAGLE-3 head at
+cap 0 while k = 3 decoded 1.4x faster (``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
 measured variant of it.
@@ -30,36 +40,44 @@ run only with the policy off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
 
 
 @dataclass
 class ArmStats:
-    goodput: float | None = None  # EWMA of committed tokens per second
+    samples: deque = field(default_factory=deque)  # the last ``window`` goodputs measured (tokens/s)
     last_used: int = -1  # decision count when this arm was last chosen
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
 
+    @property
+    def goodput(self) -> float | None:
+        """The median of the recent measurements (None: never measured)."""
+        return statistics.median(self.samples) if self.samples else None
+
 
 class SpecPolicy:
     def __init__(self, caps: tuple[int, ...] = (0, 1, 2), probe_every: int = 32, max_probe_every: int = 1024,
-                 smoothing: float = 0.2, margin: float = 0.1) -> None:
+                 window: int = 5, margin: float = 0.1, probe_steps: int = 4) -> None:
         """``caps``: the draft-length caps tried besides "no cap" (0: no drafts). An arm that is not the best is
-        probed ``probe_every`` decisions after it was last tried; each probe that measures it more than
-        ``margin`` below the best doubles that interval (up to ``max_probe_every``: a clearly worse arm costs
-        ever less), and one that measures it within ``margin`` (or above) resets it. ``smoothing``: the weight
-        of a new measurement in the moving average."""
-        if any(c < 0 for c in caps) or not 2 <= probe_every <= max_probe_every or not 0 < smoothing <= 1 \
-                or not 0 <= margin < 1:
-            raise ValueError("spec policy: caps must be >= 0, 2 <= probe_every <= max_probe_every, smoothing in "
-                             "(0, 1] and margin in [0, 1)")
+        probed ``probe_every`` decisions after its last probe began, for ``probe_steps`` decisions in a row;
+        each probe that leaves it more than ``margin`` below the best doubles that interval (up to
+        ``max_probe_every``: a clearly worse arm costs ever less), and one that leaves it within ``margin`` (or
+        above) resets it. ``window``: the measurements per arm whose median is its goodput."""
+        if any(c < 0 for c in caps) or not 2 <= probe_every <= max_probe_every or window < 1 \
+                or not 0 <= margin < 1 or not 1 <= probe_steps < probe_every:
+            raise ValueError("spec policy: caps must be >= 0, 2 <= probe_every <= max_probe_every, window >= 1, "
+                             "margin in [0, 1) and 1 <= probe_steps < probe_every")
         self.arms = (NO_CAP, *sorted(set(caps), reverse=True))  # tried in this order when a bucket is new
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.smoothing, self.margin = smoothing, margin
+        self.window, self.margin, self.probe_steps = window, margin, probe_steps
         self.decisions = 0
         self.stats: dict[int, dict[int, ArmStats]] = {}  # bucket -> arm -> stats
+        self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -68,40 +86,58 @@ class SpecPolicy:
 
     def _arms(self, batch_size: int) -> dict[int, ArmStats]:
         return self.stats.setdefault(self.bucket(batch_size),
-                                     {a: ArmStats(interval=self.probe_every) for a in self.arms})
+                                     {a: ArmStats(deque(maxlen=self.window), interval=self.probe_every)
+                                      for a in self.arms})
 
     def choose(self, batch_size: int) -> int | None:
         """The cap on the next step's drafts per request: None (no cap) or an int >= 0."""
         self.decisions += 1
-        arms = self._arms(batch_size)
-        untried = [a for a in self.arms if arms[a].goodput is None]
-        if untried:
-            arm = untried[0]
-        else:
-            best = max(self.arms, key=lambda a: arms[a].goodput)
-            due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
-            arm = min(due, key=lambda a: arms[a].due) if due else best
+        bucket, arms = self.bucket(batch_size), self._arms(batch_size)
+        arm = self._continue_probe(bucket, arms)
+        if arm is None:
+            untried = [a for a in self.arms if arms[a].goodput is None]
+            if untried:
+                arm = untried[0]
+            else:
+                best = self._best(arms)
+                due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
+                arm = min(due, key=lambda a: arms[a].due) if due else best
+            if untried or arm != best:  # a try or a probe: this arm for probe_steps decisions
+                self._probes[bucket] = (arm, self.probe_steps - 1)
+                arms[arm].due = self.decisions + arms[arm].interval
         arms[arm].last_used = self.decisions
-        arms[arm].due = self.decisions + arms[arm].interval
         return None if arm == NO_CAP else arm
+
+    def _continue_probe(self, bucket: int, arms: dict[int, ArmStats]) -> int | None:
+        """The arm of this bucket's probe while it has decisions left; when it ends, that arm's next probe is
+        scheduled from what the probe measured. None: no probe running."""
+        if bucket not in self._probes:
+            return None
+        arm, left = self._probes[bucket]
+        if left > 0:
+            self._probes[bucket] = (arm, left - 1)
+            return arm
+        del self._probes[bucket]
+        stats = arms[arm]
+        others = [s.goodput for a, s in arms.items() if a != arm and s.goodput is not None]
+        if stats.goodput is not None and others and stats.goodput < (1 - self.margin) * max(others):
+            stats.interval = min(2 * stats.interval, self.max_probe_every)
+        else:
+            stats.interval = self.probe_every
+        stats.due = self.decisions - self.probe_steps + stats.interval  # counted from the probe's first decision
+        return None
+
+    def _best(self, arms: dict[int, ArmStats]) -> int:
+        return max((a for a in self.arms if arms[a].goodput is not None), key=lambda a: arms[a].goodput)
 
     def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int) -> None:
         """One pure decode step of ``batch_size`` requests whose drafts were made under ``cap`` committed
         ``tokens`` tokens in ``seconds`` (target forward and verification, plus the drafting that made them)."""
         if seconds <= 0:
             return
-        arms = self._arms(batch_size)
-        stats = arms.get(NO_CAP if cap is None else cap)
-        if stats is None:
-            return  # a cap this policy does not try (set by someone else)
-        rate = tokens / seconds
-        known = [s.goodput for s in arms.values() if s.goodput is not None and s is not stats]
-        if known and rate < (1 - self.margin) * max(known):
-            stats.interval = min(2 * stats.interval, self.max_probe_every)
-        else:
-            stats.interval = self.probe_every
-        stats.due = stats.last_used + stats.interval
-        stats.goodput = rate if stats.goodput is None else stats.goodput + self.smoothing * (rate - stats.goodput)
+        stats = self._arms(batch_size).get(NO_CAP if cap is None else cap)
+        if stats is not None:  # else a cap this policy does not try (set by someone else)
+            stats.samples.append(tokens / seconds)
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Goodput per bucket and arm, for logs and metrics: {"8-15": {"none": 812.0, "0": 903.5, ...}}."""

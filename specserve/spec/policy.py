@@ -22,8 +22,8 @@ pays for the drafters' catch-up (the engine credits it to no arm), and the first
 batch bucket may capture a CUDA graph (the engine credits no step that did) or compile a kernel (tens of
 milliseconds, once). With one-decision probes and a moving average, a probe of "no cap" after a run of cap-0
 steps was never credited at all, and one capture fixed an arm's goodput far below its worth: on the H200 a
-policy held SmolLM2 with the trained EAGLE-3 head at
-cap 0 while k = 3 decoded 1.4x faster (``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26).
+policy held SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
+(``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
 measured variant of it.

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.sampler import target_probs
+from specserve.layers.sampler import draw_tokens, target_probs
 from specserve.sampling import SamplingParams
 from specserve.spec.verify import verify
 
@@ -172,3 +172,59 @@ def test_a_batch_verifies_each_request_as_if_it_were_alone(seed, kinds, lengths)
     assert together == alone
     for d, out in zip(drafts, together):
         assert 1 <= len(out) <= len(d) + 1 and out[:-1] == d[:len(out) - 1]
+
+
+def chain_oracle(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                 params: SamplingParams, stream: random.Random) -> list[int]:
+    """One request's chain rejection sampling written out step by step on the host (the rule of the module
+    docstring): ``logits`` [len(drafts) + 1, vocab], ``draft_probs`` [len(drafts), vocab] or None (one-hot)."""
+    probs = target_probs(logits, [params] * logits.shape[0])
+    us = [stream.random() for _ in range(len(drafts) + 1)]
+    n = 0
+    while n < len(drafts):
+        p = float(probs[n, drafts[n]])
+        q = 1.0 if draft_probs is None else float(draft_probs[n, drafts[n]].to(probs.dtype))
+        if not us[n] * q < p:
+            break
+        n += 1
+    final = probs[n].clone()
+    if n < len(drafts):
+        if draft_probs is None:
+            final[drafts[n]] = 0.0
+        else:
+            final = (final - draft_probs[n].to(final.dtype)).clamp_min(0.0)
+    if float(final.sum()) <= 0:
+        final = probs[n]
+    return drafts[:n] + [int(draw_tokens(final[None], [us[len(drafts)]])[0])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kinds=st.lists(st.sampled_from(["none", "one_hot", "probs"]),
+                                                      min_size=1, max_size=7),
+       lengths=st.lists(st.integers(1, 5), min_size=7, max_size=7), near=st.floats(0.0, 6.0))
+def test_the_batched_device_test_draws_what_the_step_by_step_chain_draws(seed, kinds, lengths, near) -> None:
+    """verify's one-pass chain test (padded tables on the device, one read back) emits exactly the tokens of
+    the rule applied request by request with the same streams: the same accepted prefix, the same residual,
+    the same draw, for one-hot and sampled drafters, ragged lengths and requests without drafts (``near``:
+    how strongly the target favours the drafts, from all-rejected to mostly accepted)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 17
+    drafts, draft_probs = [], []
+    for kind, n in zip(kinds, lengths):
+        n = 0 if kind == "none" else n
+        dp = torch.softmax(torch.randn(n, vocab, generator=gen) * 2, dim=-1) if kind == "probs" else None
+        drafts.append(torch.multinomial(dp, 1, generator=gen).squeeze(1).tolist() if dp is not None
+                      else torch.randint(0, vocab, (n,), generator=gen).tolist())
+        draft_probs.append(dp)
+    sizes = [len(d) + 1 for d in drafts]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    logits = torch.randn(sum(sizes), vocab, generator=gen)
+    for i, d in enumerate(drafts):
+        for j, t in enumerate(d):
+            logits[starts[i] + j, t] += near * float(torch.rand((), generator=gen))
+    params = [HOT if i % 2 else SamplingParams(temperature=1.3) for i in range(len(drafts))]
+    got = verify(logits, starts, drafts, draft_probs, params, [random.Random(seed + i) for i in range(len(drafts))],
+                 random.Random(0))
+    want = [chain_oracle(logits[starts[i]:starts[i] + sizes[i]], drafts[i], draft_probs[i], params[i],
+                         random.Random(seed + i)) for i in range(len(drafts))]
+    assert got == want

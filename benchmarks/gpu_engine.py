@@ -115,6 +115,17 @@ def engine_for(model, config: ModelConfig, device: torch.device, max_num_seqs: i
     return LLMEngine(cfg, model, config, None, proposers=proposers)
 
 
+def small_model_and_prompts(device: torch.device, prompt_len: int, new_tokens: int, concurrency: int,
+                            shape: str = "smollm2-135m"):
+    """(config, model, prompts, max_len): the random model of a small shape (the end-to-end section's; bf16 on
+    CUDA, fp32 elsewhere), room for ``prompt_len + new_tokens``, and ``concurrency`` random prompts."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = shape_config(shape)
+    max_len = prompt_len + new_tokens + 64
+    model = dummy_model(config, max_len + 64, dtype, device)
+    return config, model, random_prompts(concurrency, prompt_len, config.vocab_size, seed=1), max_len
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]

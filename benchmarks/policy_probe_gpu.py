@@ -81,11 +81,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check")
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = ge.shape_config("smollm2-135m")
-    max_len = args.prompt_len + args.new_tokens + 64
-    model = ge.dummy_model(config, max_len + 64, dtype, device)
-    prompts = ge.random_prompts(args.concurrency, args.prompt_len, config.vocab_size, seed=1)
+    config, model, prompts, max_len = ge.small_model_and_prompts(device, args.prompt_len, args.new_tokens,
+                                                                 args.concurrency)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     head = SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3, adaptive=True)
     engine = ge.engine_for(model, config, device, max(4, args.concurrency), 2.0, max_len, 4096, spec=head,

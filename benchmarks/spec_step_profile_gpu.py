@@ -154,11 +154,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check (the profile is the GPU's)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = ge.shape_config("smollm2-135m")
-    max_len = args.prompt_len + args.new_tokens + 64
-    model = ge.dummy_model(config, max_len + 64, dtype, device)
-    prompt = ge.random_prompts(args.concurrency, args.prompt_len, config.vocab_size, seed=1)
+    config, model, prompt, max_len = ge.small_model_and_prompts(device, args.prompt_len, args.new_tokens,
+                                                                args.concurrency)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True,
                             seed=0 if args.temperature else None)
     result = {"command": " ".join(["python", *sys.argv]),

@@ -71,63 +71,54 @@ def _verify_sampled(
     draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_i, vocab_size] or None (one-hot)
     streams: list[random.Random],  # [num_requests]
 ) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
-    """The chain test for every sampled request at once, on the device, with one read back to the host (the
-    accepted counts and the drawn tokens together). Each request takes ``num_draft + 1`` uniforms of its
+    """The chain test for every sampled request at once. Each request takes ``num_draft + 1`` uniforms of its
     stream, in request order: its accept tests, then its recovered or bonus token (without drafts, plain
-    sampling's one draw). The tests compare ``u * q_j(x_j) < p_j(x_j)`` in float64, the very operation the host
-    would do on these floats; a request accepts its leading run of passed tests.
+    sampling's one draw). p_j(x_j) and q_j(x_j) of every draft come to the host in one read, and every
+    request's final distribution (the residual after a rejection, else the bonus row) is drawn in one
+    ``draw_tokens``: two device reads per step, whatever the number of requests.
 
-    Example: drafts [[a1, a2], [], [c1]] -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2] (starts 0, 3, 4); padded
-    to 2 tests per request, rows [[0, 1], [3, 3], [4, 4]] with valid [[1, 1], [0, 0], [1, 0]]; with a1
-    accepted and a2 rejected, c1 accepted: passed [[1, 0], [0, 0], [1, 0]], accepted counts [1, 0, 1], final
-    rows 0 + 1, 3 + 0, 4 + 1 = [pa2 - (a2) | pb1 | pc2], tokens [a1, y] [y] [c1, y]."""
-    device, num = probs.device, len(drafts)
-    lens = [len(d) for d in drafts]
-    width = max(lens)
-    starts = _offsets([n + 1 for n in lens])  # each request's first row in probs
-    uniforms = [[stream.random() for _ in range(n + 1)] for stream, n in zip(streams, lens)]
-    final_rows = host_to_device(starts, torch.int64, device)  # [num] the bonus row if nothing is rejected
-    accepted = torch.zeros(num, dtype=torch.int64, device=device)  # [num]
-    if width:
-        # per request and test j < width: the row of draft j, its token, and whether it exists
-        ints = host_to_device([starts[i] + min(j, max(n - 1, 0)) for i, n in enumerate(lens) for j in range(width)]
-                              + [d[j] if j < len(d) else 0 for d in drafts for j in range(width)]
-                              + [j < n for n in lens for j in range(width)], torch.int64, device)
-        rows, ids, valid = ints.view(3, num, width)  # each [num, width]
-        u = host_to_device([us[j] if j < n else 0.0 for us, n in zip(uniforms, lens) for j in range(width)],
-                           torch.float64, device).view(num, width)
-        p = probs[rows.flatten(), ids.flatten()].view(num, width)  # [num, width] p_j(x_j)
-        q = torch.ones_like(p)  # [num, width] q_j(x_j): 1 for a one-hot (deterministic) draft
-        sampled_q = [i for i, dp in enumerate(draft_probs) if dp is not None and lens[i]]
-        if sampled_q:
-            q_all = torch.cat([draft_probs[i] for i in sampled_q]).to(p.dtype)  # [sum(num_draft_i), vocab_size]
-            q_offsets = _offsets([lens[i] for i in sampled_q])
-            at = host_to_device(sampled_q, torch.int64, device)
-            q_rows = host_to_device([o + j for i, o in zip(sampled_q, q_offsets) for j in range(width)],
-                                    torch.int64, device).view(len(sampled_q), width).clamp_max(q_all.shape[0] - 1)
-            q[at] = q_all[q_rows, ids[at]]
-        passed = (u * q.double() < p.double()) & valid.bool()  # [num, width]
-        accepted = passed.long().cumprod(dim=1).sum(dim=1)  # [num] leading passed tests
-        final_rows = final_rows + accepted
-    final = probs.index_select(0, final_rows)  # [num_requests, vocab_size] p_{n+1}
+    Example: drafts [[a1, a2], [], [c1]] -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2] (starts 0, 3, 4); with a1
+    accepted and a2 rejected, c1 accepted: final rows [pa2 - (a2) | pb1 | pc2], tokens [a1, y] [y] [c1, y]."""
+    device = probs.device
+    starts = _offsets([len(d) + 1 for d in drafts])  # each request's first row in probs
+    uniforms = [[stream.random() for _ in range(len(d) + 1)] for stream, d in zip(streams, drafts)]
+    accepted = [0] * len(drafts)
+    with_drafts = [i for i, d in enumerate(drafts) if d]
+    if with_drafts:
+        rows = host_to_device([starts[i] + j for i in with_drafts for j in range(len(drafts[i]))], torch.int64,
+                              device)  # [num_drafts]
+        ids = host_to_device([t for i in with_drafts for t in drafts[i]], torch.int64, device)  # [num_drafts]
+        p_draft = probs.index_select(0, rows).gather(1, ids[:, None]).squeeze(1)  # [num_drafts] p_j(x_j)
+        q_draft = torch.cat([torch.ones(len(drafts[i]), device=device, dtype=probs.dtype) if draft_probs[i] is None
+                             else draft_probs[i].gather(1, ids[at:at + len(drafts[i]), None]).squeeze(1)
+                             for i, at in zip(with_drafts, _offsets([len(drafts[i]) for i in with_drafts]))])
+        p_host, q_host = torch.stack([p_draft, q_draft.to(p_draft.dtype)]).tolist()
+        at = 0
+        for i in with_drafts:
+            u, n = uniforms[i], 0
+            # u < p / q, written without a division so that q(x) == 0 (impossible for a sampled draft) rejects
+            while n < len(drafts[i]) and u[n] * q_host[at + n] < p_host[at + n]:
+                n += 1
+            accepted[i] = n
+            at += len(drafts[i])
+    final = probs.index_select(0, host_to_device([starts[i] + n for i, n in enumerate(accepted)], torch.int64,
+                                                 device))  # [num_requests, vocab_size] p_{n+1}
     target_rows = final.clone()
-    lens_t = host_to_device(lens, torch.int64, device)
-    rejected = accepted < lens_t  # [num]
-    if width:
-        one_hot = host_to_device([dp is None for dp in draft_probs], torch.bool, device)
-        drafted = ids.gather(1, accepted.clamp_max(width - 1)[:, None])  # [num, 1] the rejected draft, if any
-        # a deterministic drafter: the residual is p with the rejected draft removed
-        final.scatter_(1, drafted, torch.where((rejected & one_hot)[:, None], 0.0, final.gather(1, drafted)))
-        if sampled_q:  # a drafter's own distribution q: the residual is max(0, p - q)
-            q_at = q_rows.gather(1, accepted[at].clamp_max(width - 1)[:, None]).squeeze(1)  # [len(sampled_q)]
-            residual = (final[at] - q_all[q_at].to(final.dtype)).clamp_min(0.0)
-            final[at] = torch.where(rejected[at][:, None], residual, final[at])
+    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
+    one_hot = [i for i in rejected if draft_probs[i] is None]
+    if one_hot:  # a deterministic drafter: the residual is p with the rejected draft removed
+        final[host_to_device(one_hot, torch.int64, device),
+              host_to_device([drafts[i][accepted[i]] for i in one_hot], torch.int64, device)] = 0.0
+    sampled_drafts = [i for i in rejected if draft_probs[i] is not None]
+    if sampled_drafts:  # a drafter's own distribution q: the residual is max(0, p - q)
+        at = host_to_device(sampled_drafts, torch.int64, device)  # [num_rejected]
+        q_rows = torch.stack([draft_probs[i][accepted[i]] for i in sampled_drafts]).to(final.dtype)
+        final[at] = (final.index_select(0, at) - q_rows).clamp_min(0.0)
     # A rejection implies p(x) < q(x), so some other token has p > q and the residual has mass; the guard
     # only catches float round-off on a distribution that is (numerically) identical to the draft's.
     final = torch.where(final.sum(dim=-1, keepdim=True) > 0, final, target_rows)
-    tokens = draw_tokens(final, [us[n] for us, n in zip(uniforms, lens)])  # [num]
-    counts, drawn = torch.stack([accepted, tokens]).tolist()  # the one read back
-    return [d[:n] + [tok] for d, n, tok in zip(drafts, counts, drawn)]
+    tokens = draw_tokens(final, [uniforms[i][len(d)] for i, d in enumerate(drafts)]).tolist()
+    return [d[:n] + [tok] for d, n, tok in zip(drafts, accepted, tokens)]
 
 
 def _offsets(lengths: list[int]) -> list[int]:

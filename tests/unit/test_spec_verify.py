@@ -203,10 +203,11 @@ def chain_oracle(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Ten
                                                       min_size=1, max_size=7),
        lengths=st.lists(st.integers(1, 5), min_size=7, max_size=7), near=st.floats(0.0, 6.0))
 def test_the_batched_device_test_draws_what_the_step_by_step_chain_draws(seed, kinds, lengths, near) -> None:
-    """verify's one-pass chain test (padded tables on the device, one read back) emits exactly the tokens of
-    the rule applied request by request with the same streams: the same accepted prefix, the same residual,
-    the same draw, for one-hot and sampled drafters, ragged lengths and requests without drafts (``near``:
-    how strongly the target favours the drafts, from all-rejected to mostly accepted)."""
+    """verify (batched: p and q of every draft come back in one read, every final row is drawn in one call)
+    emits exactly the tokens of the rule applied request by request with the same streams: the same accepted
+    prefix, the same residual, the same draw, for one-hot and sampled drafters, ragged lengths and requests
+    without drafts (``near``: how strongly the target favours the drafts, from all-rejected to mostly
+    accepted)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = 17
     drafts, draft_probs = [], []

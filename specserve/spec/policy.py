@@ -7,23 +7,25 @@ next to the target's (on CPU, or for a tiny target, a draft step costs nearly a 
 ``num_spec_tokens`` is right for one point of that space only; vLLM's ``disable_by_batch_size`` switches
 speculation off above one fixed batch size.
 
-``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the goodput,
-committed tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0
-= no drafts, 1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: the
-median of an arm's last ``window`` measurements. It picks the best arm of the bucket, tries every arm when a
-bucket is new (the largest first: a cold engine speculates as configured), and probes each other arm now and
-then, so that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval
-that doubles with each probe that finds it clearly worse (so a losing arm costs ever less) and resets when it
-comes close.
+``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the goodput, committed
+tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0 = no drafts,
+1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: the tokens an arm's
+last ``window`` measured steps committed over their time, leaving out steps that took more than ``OUTLIER`` times
+the median step (a one-off cost, below). It picks the best arm of the bucket, tries every arm when a bucket is new
+(the largest first: a cold engine speculates as configured), and probes each other arm now and then, so that a
+change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval that doubles with
+each probe that finds it clearly worse (so a losing arm costs ever less) and resets when it comes close.
 
-A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput is a median, because
-what the engine measures right after a switch is not what the arm yields: the step after drafting resumes
-pays for the drafters' catch-up (the engine credits it to no arm), and the first step at a new draft length or
-batch bucket may capture a CUDA graph (the engine credits no step that did) or compile a kernel (tens of
-milliseconds, once). With one-decision probes and a moving average, a probe of "no cap" after a run of cap-0
-steps was never credited at all, and one capture fixed an arm's goodput far below its worth: on the H200 a
-policy held SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
-(``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26).
+A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput leaves out one-off step
+times, because what the engine measures right after a switch is not what the arm yields: the step after drafting
+resumes pays for the drafters' catch-up (the engine credits it to no arm), and the first step at a new draft
+length or batch bucket may capture a CUDA graph (the engine credits no step that did) or compile a kernel (tens of
+milliseconds, once). With one-decision probes and a moving average, a probe of "no cap" after a run of cap-0 steps
+was never credited at all, and one capture fixed an arm's goodput far below its worth: on the H200 a policy held
+SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
+(``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26). Tokens are summed, not a median taken of
+per-step rates: a speculating step commits 1 to k + 1 tokens, a skewed count whose median sits below its mean (the
+median of rates held the same policy at cap 0 too, ``train_heads_speed_gpu_run3.json``).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
 measured variant of it.
@@ -45,29 +47,36 @@ from collections import deque
 from dataclasses import dataclass, field
 
 NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
+OUTLIER = 3.0  # a step this many times slower than the arm's median step paid a one-off cost: not counted
 
 
 @dataclass
 class ArmStats:
-    samples: deque = field(default_factory=deque)  # the last ``window`` goodputs measured (tokens/s)
+    samples: deque = field(default_factory=deque)  # (seconds, tokens) of the last ``window`` measured steps
     last_used: int = -1  # decision count when this arm was last chosen
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
 
     @property
     def goodput(self) -> float | None:
-        """The median of the recent measurements (None: never measured)."""
-        return statistics.median(self.samples) if self.samples else None
+        """Tokens per second over the recent steps, those over OUTLIER x the median step time left out (None:
+        never measured). Example: steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) -> median 1.05 s, the
+        9 s step left out, 9 tokens / 3.1 s."""
+        if not self.samples:
+            return None
+        typical = statistics.median(seconds for seconds, _ in self.samples)
+        kept = [(seconds, tokens) for seconds, tokens in self.samples if seconds <= OUTLIER * typical]
+        return sum(tokens for _, tokens in kept) / sum(seconds for seconds, _ in kept)
 
 
 class SpecPolicy:
     def __init__(self, caps: tuple[int, ...] = (0, 1, 2), probe_every: int = 32, max_probe_every: int = 1024,
-                 window: int = 5, margin: float = 0.1, probe_steps: int = 4) -> None:
+                 window: int = 16, margin: float = 0.1, probe_steps: int = 4) -> None:
         """``caps``: the draft-length caps tried besides "no cap" (0: no drafts). An arm that is not the best is
         probed ``probe_every`` decisions after its last probe began, for ``probe_steps`` decisions in a row;
         each probe that leaves it more than ``margin`` below the best doubles that interval (up to
         ``max_probe_every``: a clearly worse arm costs ever less), and one that leaves it within ``margin`` (or
-        above) resets it. ``window``: the measurements per arm whose median is its goodput."""
+        above) resets it. ``window``: the measured steps per arm its goodput is taken over."""
         if any(c < 0 for c in caps) or not 2 <= probe_every <= max_probe_every or window < 1 \
                 or not 0 <= margin < 1 or not 1 <= probe_steps < probe_every:
             raise ValueError("spec policy: caps must be >= 0, 2 <= probe_every <= max_probe_every, window >= 1, "
@@ -137,7 +146,7 @@ class SpecPolicy:
             return
         stats = self._arms(batch_size).get(NO_CAP if cap is None else cap)
         if stats is not None:  # else a cap this policy does not try (set by someone else)
-            stats.samples.append(tokens / seconds)
+            stats.samples.append((seconds, tokens))
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Goodput per bucket and arm, for logs and metrics: {"8-15": {"none": 812.0, "0": 903.5, ...}}."""

@@ -11,10 +11,14 @@ speculation off above one fixed batch size.
 tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0 = no drafts,
 1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: the tokens an arm's
 last ``window`` measured steps committed over their time, leaving out steps that took more than ``OUTLIER`` times
-the median step (a one-off cost, below). It picks the best arm of the bucket, tries every arm when a bucket is new
-(the largest first: a cold engine speculates as configured), and probes each other arm now and then, so that a
-change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval that doubles with
-each probe that finds it clearly worse (so a losing arm costs ever less) and resets when it comes close.
+the median step (a one-off cost, below). It picks the best arm of the bucket and probes each other arm now and
+then, so that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval
+that doubles with each probe that finds it clearly worse (so a losing arm costs ever less) and resets when one
+finds it close; that verdict comes from the probe's own steps, so a probe that finds a losing arm improved has it
+probed again soon, and those probes replace its stale steps. The first bucket tries every arm (the largest first:
+a cold engine speculates as configured); a later bucket starts on the best arm of the nearest measured bucket and
+tries the others ``probe_every`` decisions later, since a batch drains through neighbouring buckets as requests
+finish and the best arm rarely differs between them.
 
 A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput leaves out one-off step
 times, because what the engine measures right after a switch is not what the arm yields: the step after drafting
@@ -25,7 +29,10 @@ was never credited at all, and one capture fixed an arm's goodput far below its 
 SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
 (``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26). Tokens are summed, not a median taken of
 per-step rates: a speculating step commits 1 to k + 1 tokens, a skewed count whose median sits below its mean (the
-median of rates held the same policy at cap 0 too, ``train_heads_speed_gpu_run3.json``).
+median of rates held the same policy at cap 0 too, ``train_heads_speed_gpu_run3.json``). ``probe_steps`` 2 (one
+credited step after a switch from cap 0) explored cheapest on CPU, where plain decoding is the best arm at batch
+8: 0.90x of plain against 0.88x at 3 and 0.85x at 4, a fixed k = 3 0.65x (``benchmarks/policy_cpu.py``,
+``benchmarks/results/policy_cpu.json``).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
 measured variant of it.
@@ -50,28 +57,40 @@ NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
 OUTLIER = 3.0  # a step this many times slower than the arm's median step paid a one-off cost: not counted
 
 
+def rate(samples: list[tuple[float, int]]) -> float | None:
+    """Tokens per second over ``samples`` ((seconds, tokens) of measured steps), those over OUTLIER x the median
+    step time left out (None: no samples). Example: steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) ->
+    median 1.05 s, the 9 s step left out, 9 tokens / 3.1 s."""
+    if not samples:
+        return None
+    typical = statistics.median(seconds for seconds, _ in samples)
+    kept = [(seconds, tokens) for seconds, tokens in samples if seconds <= OUTLIER * typical]
+    return sum(tokens for _, tokens in kept) / sum(seconds for seconds, _ in kept)
+
+
 @dataclass
 class ArmStats:
     samples: deque = field(default_factory=deque)  # (seconds, tokens) of the last ``window`` measured steps
     last_used: int = -1  # decision count when this arm was last chosen
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
+    recorded: int = 0  # steps measured so far
+    probe_from: int = 0  # ``recorded`` when its latest probe began
 
     @property
     def goodput(self) -> float | None:
-        """Tokens per second over the recent steps, those over OUTLIER x the median step time left out (None:
-        never measured). Example: steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) -> median 1.05 s, the
-        9 s step left out, 9 tokens / 3.1 s."""
-        if not self.samples:
-            return None
-        typical = statistics.median(seconds for seconds, _ in self.samples)
-        kept = [(seconds, tokens) for seconds, tokens in self.samples if seconds <= OUTLIER * typical]
-        return sum(tokens for _, tokens in kept) / sum(seconds for seconds, _ in kept)
+        """``rate`` over the recent steps (None: never measured)."""
+        return rate(list(self.samples))
+
+    def probe_goodput(self) -> float | None:
+        """``rate`` over the steps its latest probe measured (None: none)."""
+        n = min(self.recorded - self.probe_from, len(self.samples))
+        return rate(list(self.samples)[-n:]) if n > 0 else None
 
 
 class SpecPolicy:
     def __init__(self, caps: tuple[int, ...] = (0, 1, 2), probe_every: int = 32, max_probe_every: int = 1024,
-                 window: int = 16, margin: float = 0.1, probe_steps: int = 4) -> None:
+                 window: int = 8, margin: float = 0.1, probe_steps: int = 2) -> None:
         """``caps``: the draft-length caps tried besides "no cap" (0: no drafts). An arm that is not the best is
         probed ``probe_every`` decisions after its last probe began, for ``probe_steps`` decisions in a row;
         each probe that leaves it more than ``margin`` below the best doubles that interval (up to
@@ -87,6 +106,7 @@ class SpecPolicy:
         self.decisions = 0
         self.stats: dict[int, dict[int, ArmStats]] = {}  # bucket -> arm -> stats
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
+        self._priors: dict[int, int] = {}  # bucket -> the arm it started on (a neighbour's best; _arms)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -94,9 +114,28 @@ class SpecPolicy:
         return max(batch_size, 1).bit_length() - 1
 
     def _arms(self, batch_size: int) -> dict[int, ArmStats]:
-        return self.stats.setdefault(self.bucket(batch_size),
-                                     {a: ArmStats(deque(maxlen=self.window), interval=self.probe_every)
-                                      for a in self.arms})
+        bucket = self.bucket(batch_size)
+        if bucket not in self.stats:
+            self.stats[bucket] = {a: ArmStats(deque(maxlen=self.window), interval=self.probe_every)
+                                  for a in self.arms}
+            self._start_from_neighbour(bucket)
+        return self.stats[bucket]
+
+    def _start_from_neighbour(self, bucket: int) -> None:
+        """A new bucket next to measured ones starts on the best arm of the nearest measured bucket (the smaller
+        on a tie) and tries the others ``probe_every`` decisions later, one after another, instead of trying
+        every arm at once: batch sizes drift through neighbouring buckets (a batch drains as requests finish),
+        where the best arm rarely differs, and each try of a losing arm costs ``probe_steps`` slow steps."""
+        known = [b for b, arms in self.stats.items() if b != bucket and any(s.goodput is not None
+                                                                          for s in arms.values())]
+        if not known:
+            return  # the first bucket: every arm is tried, the largest first
+        near = self.stats[min(known, key=lambda b: (abs(b - bucket), b))]
+        start = self._best(near)
+        self._priors[bucket] = start
+        others = [a for a in self.arms if a != start]
+        for i, arm in enumerate(others):
+            self.stats[bucket][arm].due = self.decisions + self.probe_every + i * self.probe_steps
 
     def choose(self, batch_size: int) -> int | None:
         """The cap on the next step's drafts per request: None (no cap) or an int >= 0."""
@@ -105,21 +144,24 @@ class SpecPolicy:
         arm = self._continue_probe(bucket, arms)
         if arm is None:
             untried = [a for a in self.arms if arms[a].goodput is None]
-            if untried:
+            trying = bool(untried) and bucket not in self._priors
+            if trying:
                 arm = untried[0]
-            else:
-                best = self._best(arms)
+            else:  # the best measured arm, or while none is: the neighbour's best this bucket started on
+                best = self._best(arms) if len(untried) < len(self.arms) else self._priors[bucket]
                 due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
                 arm = min(due, key=lambda a: arms[a].due) if due else best
-            if untried or arm != best:  # a try or a probe: this arm for probe_steps decisions
+            if trying or arm != best:  # a try or a probe: this arm for probe_steps decisions
                 self._probes[bucket] = (arm, self.probe_steps - 1)
                 arms[arm].due = self.decisions + arms[arm].interval
+                arms[arm].probe_from = arms[arm].recorded
         arms[arm].last_used = self.decisions
         return None if arm == NO_CAP else arm
 
     def _continue_probe(self, bucket: int, arms: dict[int, ArmStats]) -> int | None:
         """The arm of this bucket's probe while it has decisions left; when it ends, that arm's next probe is
-        scheduled from what the probe measured. None: no probe running."""
+        scheduled from what this probe measured (not its older steps: a probe that finds a losing arm improved
+        has it probed again soon, and those probes replace its stale steps). None: no probe running."""
         if bucket not in self._probes:
             return None
         arm, left = self._probes[bucket]
@@ -128,8 +170,9 @@ class SpecPolicy:
             return arm
         del self._probes[bucket]
         stats = arms[arm]
+        seen = stats.probe_goodput()
         others = [s.goodput for a, s in arms.items() if a != arm and s.goodput is not None]
-        if stats.goodput is not None and others and stats.goodput < (1 - self.margin) * max(others):
+        if seen is not None and others and seen < (1 - self.margin) * max(others):
             stats.interval = min(2 * stats.interval, self.max_probe_every)
         else:
             stats.interval = self.probe_every
@@ -147,6 +190,7 @@ class SpecPolicy:
         stats = self._arms(batch_size).get(NO_CAP if cap is None else cap)
         if stats is not None:  # else a cap this policy does not try (set by someone else)
             stats.samples.append((seconds, tokens))
+            stats.recorded += 1
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Goodput per bucket and arm, for logs and metrics: {"8-15": {"none": 812.0, "0": 903.5, ...}}."""

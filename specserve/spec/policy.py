@@ -31,7 +31,7 @@ SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
 per-step rates: a speculating step commits 1 to k + 1 tokens, a skewed count whose median sits below its mean (the
 median of rates held the same policy at cap 0 too, ``train_heads_speed_gpu_run3.json``). ``probe_steps`` 2 (one
 credited step after a switch from cap 0) explored cheapest on CPU, where plain decoding is the best arm at batch
-8: 0.90x of plain against 0.88x at 3 and 0.85x at 4, a fixed k = 3 0.65x (``benchmarks/policy_cpu.py``,
+8: 0.89x of plain against 0.87x at 3 and 0.85x at 4, a fixed k = 3 0.65x (``benchmarks/policy_cpu.py``,
 ``benchmarks/results/policy_cpu.json``).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
@@ -76,6 +76,7 @@ class ArmStats:
     due: int = 0  # the decision at which it is probed next
     recorded: int = 0  # steps measured so far
     probe_from: int = 0  # ``recorded`` when its latest probe began
+    probe_began: int = 0  # the decision its latest probe began at
 
     @property
     def goodput(self) -> float | None:
@@ -107,6 +108,7 @@ class SpecPolicy:
         self.stats: dict[int, dict[int, ArmStats]] = {}  # bucket -> arm -> stats
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
         self._priors: dict[int, int] = {}  # bucket -> the arm it started on (a neighbour's best; _arms)
+        self._verdicts: dict[int, int] = {}  # bucket -> the arm whose probe just ended, judged next decision
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -141,6 +143,8 @@ class SpecPolicy:
         """The cap on the next step's drafts per request: None (no cap) or an int >= 0."""
         self.decisions += 1
         bucket, arms = self.bucket(batch_size), self._arms(batch_size)
+        if bucket in self._verdicts:
+            self._judge(arms, self._verdicts.pop(bucket))
         arm = self._continue_probe(bucket, arms)
         if arm is None:
             untried = [a for a in self.arms if arms[a].goodput is None]
@@ -154,14 +158,15 @@ class SpecPolicy:
             if trying or arm != best:  # a try or a probe: this arm for probe_steps decisions
                 self._probes[bucket] = (arm, self.probe_steps - 1)
                 arms[arm].due = self.decisions + arms[arm].interval
-                arms[arm].probe_from = arms[arm].recorded
+                arms[arm].probe_from, arms[arm].probe_began = arms[arm].recorded, self.decisions
         arms[arm].last_used = self.decisions
         return None if arm == NO_CAP else arm
 
     def _continue_probe(self, bucket: int, arms: dict[int, ArmStats]) -> int | None:
-        """The arm of this bucket's probe while it has decisions left; when it ends, that arm's next probe is
-        scheduled from what this probe measured (not its older steps: a probe that finds a losing arm improved
-        has it probed again soon, and those probes replace its stale steps). None: no probe running."""
+        """The arm of this bucket's probe while it has decisions left; None when no probe runs. A probe that
+        ends is judged at the bucket's next decision (``_judge``): the engine records a step's goodput after it
+        asks for the next cap (the step verifies the drafts of the decision before), so the probe's last step
+        is only measured then."""
         if bucket not in self._probes:
             return None
         arm, left = self._probes[bucket]
@@ -169,6 +174,12 @@ class SpecPolicy:
             self._probes[bucket] = (arm, left - 1)
             return arm
         del self._probes[bucket]
+        self._verdicts[bucket] = arm
+        return None
+
+    def _judge(self, arms: dict[int, ArmStats], arm: int) -> None:
+        """Schedule ``arm``'s next probe from what its last probe measured (not its older steps: a probe that
+        finds a losing arm improved has it probed again soon, and those probes replace its stale steps)."""
         stats = arms[arm]
         seen = stats.probe_goodput()
         others = [s.goodput for a, s in arms.items() if a != arm and s.goodput is not None]
@@ -176,8 +187,7 @@ class SpecPolicy:
             stats.interval = min(2 * stats.interval, self.max_probe_every)
         else:
             stats.interval = self.probe_every
-        stats.due = self.decisions - self.probe_steps + stats.interval  # counted from the probe's first decision
-        return None
+        stats.due = stats.probe_began + stats.interval
 
     def _best(self, arms: dict[int, ArmStats]) -> int:
         return max((a for a in self.arms if arms[a].goodput is not None), key=lambda a: arms[a].goodput)

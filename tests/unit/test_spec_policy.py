@@ -102,29 +102,38 @@ def test_a_new_bucket_starts_on_the_best_arm_of_its_nearest_measured_bucket() ->
 
 def test_what_the_engine_cannot_credit_or_measures_once_does_not_mislead_it() -> None:
     """The engine's view of an arm: a step right after a switch to or from cap 0 is credited to no arm (it paid
-    for the drafters' catch-up, or ends no run of overlapped steps), and a speculating arm's first measured step
+    for the drafters' catch-up, or ends no run of overlapped steps), a speculating arm's first measured step
     takes ten times as long (draft graphs captured, kernels compiled; cap 0's plain decode graphs are captured at
-    startup). The policy still finds the best arm and stays on it. (Stop 25's policy, probing for one decision
-    and averaging, stayed on cap 0 in this situation on the H200 with the trained head: its probes of "no cap"
-    after cap-0 steps were never credited; benchmarks/results/train_heads_speed_gpu_run1.json.)"""
+    startup), and a decision's step is recorded after the next decision is made (the step verifying its drafts
+    asks for the next cap first). The policy still finds the best arm, stays on it, and probes the losing arms
+    ever less. (Stop 25's policy, probing for one decision and averaging, stayed on cap 0 in this situation on
+    the H200 with the trained head: its probes of "no cap" after cap-0 steps were never credited;
+    benchmarks/results/train_heads_speed_gpu_run1.json.)"""
     table = {None: 1300, 2: 1150, 1: 950, 0: 1000}
 
     def settle(probe_steps: int) -> tuple[list, dict]:
         policy = SpecPolicy(caps=(0, 1, 2), probe_every=16, probe_steps=probe_steps)
-        chosen, measured = [], set()
-        for _ in range(600):
+        chosen, measured, waiting = [], set(), None
+        for _ in range(800):
             cap = policy.choose(1)
+            if waiting is not None:
+                policy.record(1, *waiting)
+            waiting = None
             if not (chosen and chosen[-1] != cap and 0 in (cap, chosen[-1])):
                 first = cap != 0 and cap not in measured
                 measured.add(cap)
-                policy.record(1, cap, seconds=10.0 if first else 1.0, tokens=table[cap])
+                waiting = (cap, 10.0 if first else 1.0, table[cap])
             chosen.append(cap)
-        return chosen[-200:], policy.snapshot()["1-1"]
+        return chosen, policy.snapshot()["1-1"]
 
     for probe_steps in (2, 3, 4):
-        last, snap = settle(probe_steps)
-        assert last.count(None) >= 200 - 3 * 4 * probe_steps, snap
+        chosen, snap = settle(probe_steps)
+        assert chosen[-200:].count(None) >= 200 - 3 * 4 * probe_steps, snap
         assert snap == {"none": 1300, "2": 1150, "1": 950, "0": 1000}
+        for arm in (2, 1, 0):  # clearly worse (< 0.9x): each probe's verdict doubles the gap to the next
+            starts = probe_starts(chosen, arm)
+            gaps = [b - a for a, b in zip(starts, starts[1:])]
+            assert len(gaps) >= 3 and gaps[-1] >= 4 * 16, (probe_steps, arm, starts)
 
 
 def test_goodput_counts_tokens_over_time_not_the_typical_step() -> None:

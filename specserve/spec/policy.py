@@ -71,7 +71,6 @@ def rate(samples: list[tuple[float, int]]) -> float | None:
 @dataclass
 class ArmStats:
     samples: deque = field(default_factory=deque)  # (seconds, tokens) of the last ``window`` measured steps
-    last_used: int = -1  # decision count when this arm was last chosen
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
     recorded: int = 0  # steps measured so far
@@ -159,7 +158,6 @@ class SpecPolicy:
                 self._probes[bucket] = (arm, self.probe_steps - 1)
                 arms[arm].due = self.decisions + arms[arm].interval
                 arms[arm].probe_from, arms[arm].probe_began = arms[arm].recorded, self.decisions
-        arms[arm].last_used = self.decisions
         return None if arm == NO_CAP else arm
 
     def _continue_probe(self, bucket: int, arms: dict[int, ArmStats]) -> int | None:

@@ -444,6 +444,7 @@ def speed(args) -> None:
     for every request, so the plain and speculative rows draw from the same distributions; outputs differ, as
     rejection sampling draws other random numbers): the acceptance length a sampled request gets, and its speed.
     Writes $OUT/speed.json."""
+    from benchmarks.gpu_engine import sync
     from specserve.config import SpecConfig
     from specserve.sampling import SamplingParams
     from specserve.spec.ngram import NgramProposer
@@ -463,10 +464,6 @@ def speed(args) -> None:
     for method, k, _, temperature in methods:  # warm-up: graph capture and kernel selection stay out of the timings
         engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=temperature, seed=0),
                         SpecParams(method, k))
-    def sync() -> None:
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
     results: dict = {"command": " ".join(sys.argv), "head": args.eagle3_head,
                      "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
                      "max_tokens": args.max_tokens, "greedy": not args.sampled_temperature,
@@ -483,11 +480,11 @@ def speed(args) -> None:
                 engine.set_spec_policy(SpecPolicy(caps=(0, 1, max(1, k // 2))) if adaptive else None)
                 runs = []  # "all" runs twice: the first captures the draft graphs of its batch buckets (and an
                 for _ in range(2 if mode == "all" else 1):  # adaptive row's policy learns); the second is timed
-                    sync()
+                    sync(engine.device)
                     t0 = time.perf_counter()
                     reqs = [r for i in range(0, len(batch), group)
                             for r in engine.generate(batch[i:i + group], params, spec)]
-                    sync()
+                    sync(engine.device)
                     runs.append(time.perf_counter() - t0)
                 seconds = runs[-1]
                 outs = [list(r.output_ids) for r in reqs]

@@ -277,12 +277,11 @@ class LLMEngine:
         for s, o in zip(sampling, outputs):
             if s.num_spec_tokens:  # tokens a verified draft let this request commit (after stop conditions)
                 emitted_per_step.setdefault(s.request.spec.method, []).append(len(o.new_token_ids))
-        verified = time.perf_counter()
-        decided = decided and self._capture_seconds() == captured  # a graph captured for this step's forward
-        captured = self._capture_seconds()
+        verified, verified_captured = time.perf_counter(), self._capture_seconds()
+        decided = decided and verified_captured == captured  # not if a graph was captured for this step's forward
         self._draft(chunks, out.aux_hidden)
         self._draft_seconds = time.perf_counter() - verified
-        self._draft_captured = self._capture_seconds() != captured
+        self._draft_captured = self._capture_seconds() != verified_captured
         num_emitted = sum(len(o.new_token_ids) for o in outputs)
         if self.spec_policy is not None and decided and self._is_speculative_decode(sched):
             # this step's work on the drafts it verified, plus the drafting that made them (the last step's)

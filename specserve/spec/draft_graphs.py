@@ -183,18 +183,24 @@ class ChainGraphRunner:
 
         return forward
 
-    def _step(self, bucket: int, steps: int):
-        key = (bucket, steps)
+    def _built(self, key: tuple[int, ...], make_forward, load_padding) -> tuple:
+        """(forward, graph or None) of ``key``, built on first use: ``make_forward()`` gives the static forward;
+        with capture, ``load_padding()`` first stages an all-padding step (no KV writes) to record it over."""
         if key not in self.forwards:
-            self.forwards[key] = forward = self._forward_for(bucket, steps)
+            self.forwards[key] = forward = make_forward()
             self.graphs[key] = None
             if self.capture:
-                self._load(self._values([], [], [], bucket, steps), bucket, steps)  # all padding: no KV writes
-                self.features[:bucket].zero_()
+                load_padding()
                 start = time.perf_counter()
                 self.graphs[key] = capture_graph(forward, self.pool, self.device)
                 self.capture_seconds += time.perf_counter() - start
         return self.forwards[key], self.graphs[key]
+
+    def _step(self, bucket: int, steps: int):
+        def load_padding() -> None:
+            self._load(self._values([], [], [], bucket, steps), bucket, steps)
+            self.features[:bucket].zero_()
+        return self._built((bucket, steps), lambda: self._forward_for(bucket, steps), load_padding)
 
     # ---- run -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -296,17 +302,10 @@ class ChainGraphRunner:
         return forward
 
     def _ingest_step(self, bucket: int, q: int, steps: int):
-        key = (bucket, q, steps)
-        if key not in self.forwards:
-            self.forwards[key] = forward = self._ingest_forward_for(bucket, q, steps)
-            self.graphs[key] = None
-            if self.capture:
-                self._ingest_load(self._ingest_values([], [], [], [], bucket, q, steps), bucket, q, steps)
-                self.ingest_features[:bucket * q].zero_()
-                start = time.perf_counter()
-                self.graphs[key] = capture_graph(forward, self.pool, self.device)  # all padding: no KV writes
-                self.capture_seconds += time.perf_counter() - start
-        return self.forwards[key], self.graphs[key]
+        def load_padding() -> None:
+            self._ingest_load(self._ingest_values([], [], [], [], bucket, q, steps), bucket, q, steps)
+            self.ingest_features[:bucket * q].zero_()
+        return self._built((bucket, q, steps), lambda: self._ingest_forward_for(bucket, q, steps), load_padding)
 
     def _ingest_load(self, values: list[int], bucket: int, q: int, steps: int) -> None:
         self._ingest_staging.load(values)

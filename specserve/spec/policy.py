@@ -71,16 +71,18 @@ def rate(samples: list[tuple[float, int]]) -> float | None:
 @dataclass
 class ArmStats:
     samples: deque = field(default_factory=deque)  # (seconds, tokens) of the last ``window`` measured steps
+    goodput: float | None = None  # ``rate`` over ``samples``, kept by ``add`` (None: never measured)
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
     recorded: int = 0  # steps measured so far
     probe_from: int = 0  # ``recorded`` when its latest probe began
     probe_began: int = 0  # the decision its latest probe began at
 
-    @property
-    def goodput(self) -> float | None:
-        """``rate`` over the recent steps (None: never measured)."""
-        return rate(list(self.samples))
+    def add(self, seconds: float, tokens: int) -> None:
+        """One measured step: into the window, and the goodput over it updated (read on every decision)."""
+        self.samples.append((seconds, tokens))
+        self.recorded += 1
+        self.goodput = rate(list(self.samples))
 
     def probe_goodput(self) -> float | None:
         """``rate`` over the steps its latest probe measured (None: none)."""
@@ -197,8 +199,7 @@ class SpecPolicy:
             return
         stats = self._arms(batch_size).get(NO_CAP if cap is None else cap)
         if stats is not None:  # else a cap this policy does not try (set by someone else)
-            stats.samples.append((seconds, tokens))
-            stats.recorded += 1
+            stats.add(seconds, tokens)
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Goodput per bucket and arm, for logs and metrics: {"8-15": {"none": 812.0, "0": 903.5, ...}}."""

@@ -50,10 +50,13 @@ class Scripted:
         self.decisions += 1
         return cap
 
-    def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int) -> None:
+    def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int, outcomes=None) -> None:
         # the decision that made these drafts is the one before the latest
         position = self.positions[-2] if len(self.positions) > 1 else -1
         self.records.append((cap, position, seconds, tokens))
+
+    def observe(self, outcomes) -> None:
+        pass
 
     def snapshot(self) -> dict:
         return {}

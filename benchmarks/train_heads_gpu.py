@@ -451,6 +451,21 @@ def speed(args) -> None:
     from specserve.spec.params import SpecParams
     from specserve.spec.policy import SpecPolicy
 
+    class Counting(SpecPolicy):
+        """Counts its decisions per arm and bucket ({"1-1": {"none": 2900, "0": 40, ...}}; both runs of a whole
+        set), to see where an adaptive row spent its steps."""
+
+        def __init__(self, **kw) -> None:
+            super().__init__(**kw)
+            self.choices: dict[str, dict[str, int]] = {}
+
+        def choose(self, batch_size: int) -> int | None:
+            cap = super().choose(batch_size)
+            b = self.bucket(batch_size)
+            arms = self.choices.setdefault(f"{1 << b}-{(2 << b) - 1}", {})
+            arms["none" if cap is None else str(cap)] = arms.get("none" if cap is None else str(cap), 0) + 1
+            return cap
+
     engine, ids = eval_engine(args, {"eagle3": ROOT / args.eagle3_head},
                               {"ngram": NgramProposer(SpecConfig.ngram_min, SpecConfig.ngram_max)})
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -461,9 +476,18 @@ def speed(args) -> None:
                ("ngram", 3, False, 0.0), ("eagle3", 3, True, 0.0), ("ngram", 3, True, 0.0)]
     if args.sampled_temperature:
         methods += [(m, k, False, args.sampled_temperature) for m, k in (("none", 0), ("eagle3", 3), ("eagle3", 5))]
-    for method, k, _, temperature in methods:  # warm-up: graph capture and kernel selection stay out of the timings
-        engine.generate(ids["mt_bench"][:8], SamplingParams(max_tokens=32, temperature=temperature, seed=0),
-                        SpecParams(method, k))
+    # Warm-up: graph captures and kernel compiles stay out of the timings. Every draft length up to each row's k (an
+    # adaptive row's caps, and fewer drafts near max_tokens), at batch 1 and at batch 8 (which drains through the
+    # smaller buckets), and each set's first prompts one at a time (prefill kernels compile per shape class): stop
+    # 27's step_trace_gpu.py found 0.4 s steps on first use of a shape inside timed rows.
+    for method, k, _, temperature in methods:
+        for num_spec in range(1, k + 1) if k else (0,):
+            for batch in (ids["mt_bench"][:1], ids["mt_bench"][:8]):
+                engine.generate(batch, SamplingParams(max_tokens=24, temperature=temperature, seed=0),
+                                SpecParams(method, num_spec))
+    for prompts in ids.values():
+        for prompt in prompts[:2]:
+            engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
     results: dict = {"command": " ".join(sys.argv), "head": args.eagle3_head,
                      "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
                      "max_tokens": args.max_tokens, "greedy": not args.sampled_temperature,
@@ -477,7 +501,7 @@ def speed(args) -> None:
                 continue
             for method, k, adaptive, temperature in methods:
                 spec, params = SpecParams(method, k), sampled if temperature else greedy
-                engine.set_spec_policy(SpecPolicy(caps=(0, 1, max(1, k // 2))) if adaptive else None)
+                engine.set_spec_policy(Counting(caps=(0, 1, max(1, k // 2))) if adaptive else None)
                 runs = []  # "all" runs twice: the first captures the draft graphs of its batch buckets (and an
                 for _ in range(2 if mode == "all" else 1):  # adaptive row's policy learns); the second is timed
                     sync(engine.device)
@@ -498,6 +522,7 @@ def speed(args) -> None:
                        "adaptive": adaptive, "temperature": temperature,
                        "first_run_seconds": runs[0] if len(runs) > 1 else None,
                        "policy": engine.spec_policy.snapshot() if engine.spec_policy is not None else None,
+                       "policy_choices": engine.spec_policy.choices if engine.spec_policy is not None else None,
                        "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                        "identical_to_plain": sum(a == b for a, b in zip(outs, plain_outs)) / max(len(outs), 1),

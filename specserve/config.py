@@ -106,8 +106,9 @@ class CudaGraphConfig:
     run eagerly. Only used on CUDA with an attention backend that supports capture (the Triton backend).
 
     ``num_splits``: key-range splits of the captured decode kernel (None: chosen per bucket from the SM count).
-    ``capture_at_startup``: capture q = 1 (and 1 + the server's ``num_spec_tokens``) for every bucket when the
-    engine starts; other query lengths are captured the first time a step needs them.
+    ``capture_at_startup``: capture q = 1 (and, when the server speculates, every q up to 1 + its
+    ``num_spec_tokens``: fewer drafts are verified near max_tokens and under the adaptive policy's caps) for every
+    bucket when the engine starts; other query lengths are captured the first time a step needs them.
     ``draft_steps``: also capture an EAGLE-3 head's drafting, captured on first use (``spec/draft_graphs.py``): its
     ingest forward and all k draft steps as one graph per (bucket, longest queue, k) in steady decoding, else
     steps 2..k as one per (bucket, steps) after an eager ingest. On by default: on the H200 (benchmarks/results/

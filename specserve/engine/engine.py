@@ -125,9 +125,15 @@ class LLMEngine:
         self._draft_seconds = 0.0  # how long the last step's drafting took
         self._caught_up = False  # whether it caught the drafters up after cap-0 steps
         self._draft_captured = False  # whether the last step's drafting captured a CUDA graph
+        self._draft_after_prompt = False  # whether the last step's drafting also took in prompt chunks
+        # the cap the policy chose for the next synchronous step's drafts while a run of cap-0 overlapped steps
+        # ended (_cap_zero_continues), as a 1-tuple (None: no such decision pending)
+        self._cap_ahead: tuple[int | None] | None = None
         self._async_commit_time: float | None = None  # when the last overlapped step committed (same run)
-        # CUDA graphs (GPU only): capture decode, and verify of the server's num_spec_tokens, at startup.
-        startup_query_lens = (1, 1 + spec.num_spec_tokens) if spec.method != "none" else (1,)
+        # CUDA graphs (GPU only): capture decode and every verify length up to the server's num_spec_tokens at
+        # startup: fewer drafts are verified near max_tokens and under the adaptive policy's caps, and a graph
+        # captured on first use stalls that step (0.4 s for SmolLM2 on the H200, stop 27's step_trace_gpu.py).
+        startup_query_lens = tuple(range(1, 2 + spec.num_spec_tokens)) if spec.method != "none" else (1,)
         self.runner.setup_cuda_graphs(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs,
                                       self.aux_layer_ids, startup_query_lens)
         self._setup_draft_graphs(config, model)
@@ -138,7 +144,7 @@ class LLMEngine:
     def set_spec_policy(self, policy: SpecPolicy | None) -> None:
         """Swap the adaptive speculation policy (None: off); the next drafting step asks the new one afresh."""
         self.spec_policy = policy
-        self._spec_cap, self._spec_decided = None, False
+        self._spec_cap, self._spec_decided, self._cap_ahead = None, False, None
 
     def _setup_draft_graphs(self, config: EngineConfig, model) -> None:
         """With ``cuda_graphs.draft_steps`` and the target's graphs running: an EAGLE-3 head's drafting (ingest and
@@ -229,14 +235,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._in_flight is not None:  # an asynchronous decode step is running
             previous, self._in_flight = self._in_flight, None
-            if self._next_decode_is_certain(previous):
+            if self._next_decode_is_certain(previous) and self._cap_zero_continues():
                 self._in_flight = self._try_launch_decode(self.scheduler.schedule(), previous.token_ids)
             return self._commit_decode(previous)
         started, captured = time.perf_counter(), self._capture_seconds()
         self._async_commit_time = None  # a synchronous step ends any run of overlapped steps
         cap, decided, drafting = self._spec_cap, self._spec_decided, self._draft_seconds
-        # not this cap's cost: drafting that caught up on earlier cap-0 steps, or that captured a graph
-        decided = decided and not self._caught_up and not self._draft_captured
+        # not this cap's cost: drafting that caught up on earlier cap-0 steps, that took in prompt chunks (an EAGLE
+        # head's prefill over a new request's prompt), or that captured a graph
+        decided = decided and not self._caught_up and not self._draft_captured and not self._draft_after_prompt
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._free_spec_state(req)
@@ -259,6 +266,7 @@ class LLMEngine:
         chunks: list[VerifiedChunk] = []
         step_spec: dict[str, SpecCounters] = {}
         emitted_per_step: dict[str, list[int]] = {}
+        outcomes: list[tuple[int, int]] = []  # (drafts verified, accepted) per request that verified drafts
         for s, token_start in zip(sched.scheduled, out.token_starts):
             req = s.request
             num_rejected = 0
@@ -268,6 +276,7 @@ class LLMEngine:
                 if num_rejected:
                     self.block_manager.rollback(req.request_id, num_rejected)
                 req.spec_counters.record(s.num_spec_tokens, num_accepted)
+                outcomes.append((s.num_spec_tokens, num_accepted))
                 step_spec.setdefault(req.spec.method, SpecCounters()).record(s.num_spec_tokens, num_accepted)
             chunks.append(VerifiedChunk(req, req.num_computed_tokens, token_start, s.num_new_tokens - num_rejected))
             req.num_computed_tokens += s.num_new_tokens - num_rejected
@@ -282,10 +291,16 @@ class LLMEngine:
         self._draft(chunks, out.aux_hidden)
         self._draft_seconds = time.perf_counter() - verified
         self._draft_captured = self._capture_seconds() != verified_captured
+        self._draft_after_prompt = not all(s.samples and s.num_new_tokens == 1 + s.num_spec_tokens
+                                           for s in sched.scheduled)  # a prompt chunk was scheduled
         num_emitted = sum(len(o.new_token_ids) for o in outputs)
-        if self.spec_policy is not None and decided and self._is_speculative_decode(sched):
-            # this step's work on the drafts it verified, plus the drafting that made them (the last step's)
-            self.spec_policy.record(len(sched.scheduled), cap, verified - started + drafting, num_emitted)
+        if self.spec_policy is not None:
+            if decided and self._is_speculative_decode(sched):
+                # this step's work on the drafts it verified, plus the drafting that made them (the last step's)
+                self.spec_policy.record(len(sched.scheduled), cap, verified - started + drafting, num_emitted,
+                                        outcomes)
+            elif outcomes:  # not this cap's cost alone, but the acceptance is what it is
+                self.spec_policy.observe(outcomes)
         self._record_step(sched, num_emitted, step_spec, emitted_per_step)
         return outputs
 
@@ -328,9 +343,24 @@ class LLMEngine:
             for s in sched.scheduled)
 
     def _lazy_decode_ok(self) -> bool:
-        """The policy's cap is 0 and the drafters may wait one more step before catching up."""
+        """The policy's cap is 0, it has not chosen another for the next step, and the drafters may wait one more
+        step before catching up."""
         return (self.spec_policy is not None and self._spec_decided and self._spec_cap == 0
-                and self._lazy_draft_steps < LAZY_DRAFT_STEPS)
+                and self._cap_ahead is None and self._lazy_draft_steps < LAZY_DRAFT_STEPS)
+
+    def _cap_zero_continues(self) -> bool:
+        """Before another overlapped step of speculating requests held at cap 0 is launched, the policy decides
+        that step's cap too, so that every step is one decision: a probe of cap 0 lasts ``probe_steps`` steps,
+        not that many runs of up to LAZY_DRAFT_STEPS steps (stop 27 on the H200: probes of cap 0 took 32 steps
+        each, 40% of a run the policy had judged better off speculating). Any other cap ends the run: the next
+        synchronous step catches the drafters up and drafts under it (``_cap_ahead``)."""
+        if self.spec_policy is None or not any(r.spec.enabled for r in self.scheduler.running):
+            return True
+        cap = self.spec_policy.choose(self.num_running)
+        if cap == 0:
+            return True
+        self._cap_ahead = (cap,)
+        return False
 
     def _next_decode_is_certain(self, previous: InFlightStep) -> bool:
         """Whether the next ``schedule()`` will give exactly ``previous``'s requests, in the same order, one
@@ -371,6 +401,7 @@ class LLMEngine:
         """Run a plain decode step up to its sampled tokens, on the device, without waiting for them; its requests
         count the tokens as pending. ``input_ids_device``: the previous in-flight step's samples (same order)."""
         assert self._is_plain_decode(sched), "an asynchronous step must be a plain decode step"
+        self._draft_seconds = 0.0  # nobody drafts for it: the synchronous step after a run verifies no drafts
         tables = self._prepare(sched)
         out = self.runner.execute(sched, tables, self.aux_layer_ids, input_ids_device)
         requests = [s.request for s in sched.scheduled]
@@ -425,8 +456,10 @@ class LLMEngine:
             wanted.append((proposer, [r for r, _ in drafting], [n for _, n in drafting]))
             single = single and all(c.num_tokens == 1 for c in mine)
         self._spec_decided = False
+        ahead, self._cap_ahead = self._cap_ahead, None
         if self.spec_policy is not None and any(requests for _, requests, _ in wanted):
-            self._spec_cap, self._spec_decided = self.spec_policy.choose(self.num_running), True
+            cap = ahead[0] if ahead is not None else self.spec_policy.choose(self.num_running)
+            self._spec_cap, self._spec_decided = cap, True
             if self._spec_cap == 0 and single and self._lazy_draft_steps < LAZY_DRAFT_STEPS:
                 # Nobody drafts: the drafters catch up on these tokens at a later step, in one pass over
                 # several steps' tokens (a head's layer costs about as much for 16 rows as for 1), bounded so

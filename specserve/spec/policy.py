@@ -9,16 +9,20 @@ speculation off above one fixed batch size.
 
 ``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the goodput, committed
 tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0 = no drafts,
-1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: the tokens an arm's
-last ``window`` measured steps committed over their time, leaving out steps that took more than ``OUTLIER`` times
-the median step (a one-off cost, below). It picks the best arm of the bucket and probes each other arm now and
-then, so that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval
-that doubles with each probe that finds it clearly worse (so a losing arm costs ever less) and resets when one
-finds it close; that verdict comes from the probe's own steps, so a probe that finds a losing arm improved has it
-probed again soon, and those probes replace its stale steps. The first bucket tries every arm (the largest first:
-a cold engine speculates as configured); a later bucket starts on the best arm of the nearest measured bucket and
-tries the others ``probe_every`` decisions later, since a batch drains through neighbouring buckets as requests
-finish and the best arm rarely differs between them.
+1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: what an arm's last
+``window`` measured steps were worth in tokens over their time, leaving out steps that took more than ``OUTLIER``
+times the median step (a one-off cost, below). A step's worth is not the tokens it happened to commit: a
+speculating request commits 1 to k + 1 tokens a step, so a few steps' tokens are noise. Its requests' draft
+lengths are priced by an ``AcceptanceModel`` that learns the per-position acceptance rates from the verify
+outcomes of every drafting step (whichever its arm and bucket). Times are steady from step to step, so a short
+window measures an arm's cost well, and its worth follows the live acceptance. It picks the best arm of the bucket
+and probes each other arm now and then, so that a change in traffic or load is seen: ``probe_every`` decisions after
+its last probe, an interval that doubles with each probe that finds it clearly worse (so a losing arm costs ever
+less) and resets when one finds it close; that verdict comes from the probe's own steps, so a probe that finds a
+losing arm improved has it probed again soon, and those probes replace its stale steps. The first bucket tries every
+arm (the largest first: a cold engine speculates as configured); a later bucket starts on the best arm of the nearest
+measured bucket and tries the others ``probe_every`` decisions later, since a batch drains through neighbouring
+buckets as requests finish and the best arm rarely differs between them.
 
 A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput leaves out one-off step
 times, because what the engine measures right after a switch is not what the arm yields: the step after drafting
@@ -27,15 +31,20 @@ length or batch bucket may capture a CUDA graph (the engine credits no step that
 milliseconds, once). With one-decision probes and a moving average, a probe of "no cap" after a run of cap-0 steps
 was never credited at all, and one capture fixed an arm's goodput far below its worth: on the H200 a policy held
 SmolLM2 with the trained EAGLE-3 head at cap 0 while k = 3 decoded 1.4x faster
-(``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26). Tokens are summed, not a median taken of
-per-step rates: a speculating step commits 1 to k + 1 tokens, a skewed count whose median sits below its mean (the
-median of rates held the same policy at cap 0 too, ``train_heads_speed_gpu_run3.json``). ``probe_steps`` 2 (one
+(``benchmarks/results/train_heads_speed_gpu_run1.json``, stop 26). The median of per-step rates held the same
+policy at cap 0 too (``train_heads_speed_gpu_run3.json``): a speculating step's token count is skewed, its median
+below its mean. Summing the tokens of the last eight steps (stop 26) was unbiased but noisy, and a losing arm
+is probed ever less, so an arm that lost on unlucky steps kept its low figure: the H200 run of stop 27 held the
+trained head at cap 0 or 1 while a fixed k = 3 decoded 1.3-1.6x faster than plain (hence the acceptance
+model). The engine also credits no step whose drafts were made while a prompt chunk was taken in (an EAGLE
+head's prefill over new prompts). ``probe_steps`` 2 (one
 credited step after a switch from cap 0) explored cheapest on CPU, where plain decoding is the best arm at batch
 8: 0.89x of plain against 0.87x at 3 and 0.85x at 4, a fixed k = 3 0.65x (``benchmarks/policy_cpu.py``,
 ``benchmarks/results/policy_cpu.json``).
 The idea of choosing the draft length from estimated goodput per batch is SmartSpec's (Liu et al., 2024,
-"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"); this is a model-free,
-measured variant of it.
+"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"), as is pricing a draft
+length with an acceptance rate learned from recent verify outcomes; here a step's cost is measured per arm and
+batch bucket, not modelled.
 
 Speculation stays lossless whatever the arm (verification is exact): greedy outputs do not change. Seeded
 sampled outputs stay correct in distribution but, because the cap follows timings, are reproducible run to
@@ -44,7 +53,7 @@ run only with the policy off.
     policy = SpecPolicy()
     cap = policy.choose(batch_size=48)        # None: every request drafts its own num_spec_tokens; 0: none
     ... run the step ...
-    policy.record(batch_size=48, cap=cap, seconds=0.012, tokens=131)
+    policy.record(batch_size=48, cap=cap, seconds=0.012, tokens=131, outcomes=[(3, 2), (3, 0), ...])
 """
 
 from __future__ import annotations
@@ -53,41 +62,120 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.config import MAX_NUM_SPEC_TOKENS
+
 NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
 OUTLIER = 3.0  # a step this many times slower than the arm's median step paid a one-off cost: not counted
 
 
-def rate(samples: list[tuple[float, int]]) -> float | None:
-    """Tokens per second over ``samples`` ((seconds, tokens) of measured steps), those over OUTLIER x the median
-    step time left out (None: no samples). Example: steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) ->
-    median 1.05 s, the 9 s step left out, 9 tokens / 3.1 s."""
-    if not samples:
+class AcceptanceModel:
+    """How many tokens a request verifying L drafts commits on average, from the verify outcomes of the last
+    ``horizon`` or so drafting requests (each outcome's weight decays by 1 - 1/horizon per later outcome).
+
+    Per draft position i it keeps the share of drafts that reached position i (drafts 1..i-1 accepted) and were
+    accepted, alpha_i, with a weak prior (one accepted, one rejected) where outcomes are few; a request verifying
+    L drafts then commits ``expected(L)`` = 1 + alpha_1 + alpha_1 alpha_2 + ... + alpha_1...alpha_L tokens (the
+    accepted prefix plus the bonus or recovered token). Worked example: outcomes (3 drafts, 1 accepted) and
+    (3, 3) -> position 1 reached twice, accepted twice; 2: reached twice, accepted once; 3: reached once,
+    accepted once; with the prior alpha = (3/4, 2/4, 2/3), expected(3) = 1 + .75 + .375 + .25 = 2.375.
+
+    The policy prices an arm's steps with it instead of the tokens they happened to commit: a speculating step
+    commits 1 to k + 1 tokens per request, so a handful of steps' tokens is noise (on the H200, the trained
+    SmolLM2 head at k = 3 commits 1 to 4 per step, 2.43 on average; eight steps of it ranged from 1.6 to 3.1),
+    while the outcomes of every drafting step, whichever its arm and batch, tell the same acceptance rates."""
+
+    def __init__(self, horizon: int = 512, max_drafts: int = MAX_NUM_SPEC_TOKENS) -> None:
+        self.decay = 1.0 - 1.0 / horizon
+        self.reached = [0.0] * (max_drafts + 1)  # [i]: weight of outcomes whose drafts reached position i
+        self.accepted = [0.0] * (max_drafts + 1)  # [i]: ... whose draft i was accepted
+        self._expected: list[float] | None = None  # expected(L) for every L, rebuilt after new outcomes
+        self.version = 0  # bumped by every observe (arms' cached goodputs compare it)
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        """``outcomes``: (drafts verified, drafts accepted) of each request that verified drafts in one step."""
+        outcomes = [(n, a) for n, a in outcomes if n > 0]
+        if not outcomes:
+            return
+        size = len(self.reached)
+        ends, hits = [0] * (size + 1), [0] * (size + 1)  # histograms of the last reached / accepted position
+        for n, a in outcomes:
+            ends[min(a + 1, n, size - 1)] += 1
+            hits[min(a, size - 1)] += 1
+        keep = self.decay ** len(outcomes)
+        reached = accepted = 0
+        for i in range(size - 1, 0, -1):  # suffix sums: position i is reached by every outcome ending at >= i
+            reached, accepted = reached + ends[i], accepted + hits[i]
+            self.reached[i] = self.reached[i] * keep + reached
+            self.accepted[i] = self.accepted[i] * keep + accepted
+        self._expected = None
+        self.version += 1
+
+    def expected(self, num_drafts: int) -> float:
+        """Tokens a request verifying ``num_drafts`` drafts commits on average."""
+        if self._expected is None:
+            table, chain = [1.0], 1.0
+            for i in range(1, len(self.reached)):
+                chain *= (self.accepted[i] + 1.0) / (self.reached[i] + 2.0)
+                table.append(table[-1] + chain)
+            self._expected = table
+        return self._expected[min(num_drafts, len(self._expected) - 1)]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured decode step of an arm: its time; the tokens committed by requests that verified no drafts
+    (exact); and how many requests verified 1, 2, ... drafts (``drafted[L]``, L >= 1), whose tokens the
+    acceptance model prices (their own count is noise). Without outcomes (``drafted`` empty) ``tokens`` is
+    every token the step committed."""
+
+    seconds: float
+    tokens: int
+    drafted: tuple[int, ...] = ()
+
+    def worth(self, model: AcceptanceModel) -> float:
+        return self.tokens + sum(n * model.expected(length) for length, n in enumerate(self.drafted) if n)
+
+
+def rate(steps: list[Step], model: AcceptanceModel) -> float | None:
+    """Tokens per second over ``steps``, those over OUTLIER x the median step time left out (None: no steps).
+    Example (no outcomes, so exact tokens): steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) -> median 1.05
+    s, the 9 s step left out, 9 tokens / 3.1 s."""
+    if not steps:
         return None
-    typical = statistics.median(seconds for seconds, _ in samples)
-    kept = [(seconds, tokens) for seconds, tokens in samples if seconds <= OUTLIER * typical]
-    return sum(tokens for _, tokens in kept) / sum(seconds for seconds, _ in kept)
+    typical = statistics.median(s.seconds for s in steps)
+    kept = [s for s in steps if s.seconds <= OUTLIER * typical]
+    return sum(s.worth(model) for s in kept) / sum(s.seconds for s in kept)
 
 
 @dataclass
 class ArmStats:
-    samples: deque = field(default_factory=deque)  # (seconds, tokens) of the last ``window`` measured steps
-    goodput: float | None = None  # ``rate`` over ``samples``, kept by ``add`` (None: never measured)
+    model: AcceptanceModel  # the policy's, shared by all arms
+    samples: deque = field(default_factory=deque)  # Steps: the last ``window`` measured steps
     interval: int = 0  # decisions between probes of this arm while it is not the best
     due: int = 0  # the decision at which it is probed next
     recorded: int = 0  # steps measured so far
     probe_from: int = 0  # ``recorded`` when its latest probe began
     probe_began: int = 0  # the decision its latest probe began at
+    _cache: tuple[int, int, float | None] = (-1, -1, None)  # (recorded, model version, goodput)
 
-    def add(self, seconds: float, tokens: int) -> None:
-        """One measured step: into the window, and the goodput over it updated (read on every decision)."""
-        self.samples.append((seconds, tokens))
+    def add(self, step: Step) -> None:
+        self.samples.append(step)
         self.recorded += 1
-        self.goodput = rate(list(self.samples))
+
+    @property
+    def goodput(self) -> float | None:
+        """``rate`` over its window (None: never measured); cached until a step or an outcome arrives (read on
+        every decision)."""
+        recorded, version, value = self._cache
+        if recorded != self.recorded or version != self.model.version:
+            value = rate(list(self.samples), self.model)
+            self._cache = (self.recorded, self.model.version, value)
+        return value
 
     def probe_goodput(self) -> float | None:
         """``rate`` over the steps its latest probe measured (None: none)."""
         n = min(self.recorded - self.probe_from, len(self.samples))
-        return rate(list(self.samples)[-n:]) if n > 0 else None
+        return rate(list(self.samples)[-n:], self.model) if n > 0 else None
 
 
 class SpecPolicy:
@@ -110,6 +198,7 @@ class SpecPolicy:
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
         self._priors: dict[int, int] = {}  # bucket -> the arm it started on (a neighbour's best; _arms)
         self._verdicts: dict[int, int] = {}  # bucket -> the arm whose probe just ended, judged next decision
+        self.acceptance = AcceptanceModel()  # prices every arm's drafting steps (all buckets share it)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -119,7 +208,7 @@ class SpecPolicy:
     def _arms(self, batch_size: int) -> dict[int, ArmStats]:
         bucket = self.bucket(batch_size)
         if bucket not in self.stats:
-            self.stats[bucket] = {a: ArmStats(deque(maxlen=self.window), interval=self.probe_every)
+            self.stats[bucket] = {a: ArmStats(self.acceptance, deque(maxlen=self.window), interval=self.probe_every)
                                   for a in self.arms}
             self._start_from_neighbour(bucket)
         return self.stats[bucket]
@@ -192,14 +281,33 @@ class SpecPolicy:
     def _best(self, arms: dict[int, ArmStats]) -> int:
         return max((a for a in self.arms if arms[a].goodput is not None), key=lambda a: arms[a].goodput)
 
-    def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int) -> None:
+    def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int,
+               outcomes: list[tuple[int, int]] | None = None) -> None:
         """One pure decode step of ``batch_size`` requests whose drafts were made under ``cap`` committed
-        ``tokens`` tokens in ``seconds`` (target forward and verification, plus the drafting that made them)."""
+        ``tokens`` tokens in ``seconds`` (target forward and verification, plus the drafting that made them).
+        ``outcomes``: (drafts verified, drafts accepted) of each request that verified drafts; with them the
+        step's worth is priced by the acceptance model (``Step``), without them (None) it is ``tokens``."""
+        if outcomes is not None:
+            self.observe(outcomes)
         if seconds <= 0:
             return
         stats = self._arms(batch_size).get(NO_CAP if cap is None else cap)
-        if stats is not None:  # else a cap this policy does not try (set by someone else)
-            stats.add(seconds, tokens)
+        if stats is None:  # a cap this policy does not try (set by someone else)
+            return
+        if outcomes is None:
+            stats.add(Step(seconds, tokens))
+            return
+        lengths = [n for n, _ in outcomes if n > 0]
+        drafted = [0] * (max(lengths, default=0) + 1)
+        for n in lengths:
+            drafted[n] += 1
+        committed = sum(a + 1 for n, a in outcomes if n > 0)  # the drafting requests' own (noisy) tokens
+        stats.add(Step(seconds, max(tokens - committed, 0), tuple(drafted)))
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        """Verify outcomes of a step the engine does not credit to an arm (a one-off cost in it): they still
+        teach the acceptance model."""
+        self.acceptance.observe(outcomes)
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Goodput per bucket and arm, for logs and metrics: {"8-15": {"none": 812.0, "0": 903.5, ...}}."""

@@ -1,0 +1,147 @@
+"""Where the time of an offline run goes, step by step (GPU machine, not CI; a diagnostic): the real SmolLM2 target
+and the committed EAGLE-3 head as ``train_heads_gpu.py speed`` loads them (run its two ``stage`` calls first), the
+first ``--prompts`` prompts of one evaluation set one at a time (concurrency 1), greedy, for plain decoding, a
+fixed EAGLE-3 k = 3 and the adaptive policy. Every ``engine.step()`` call is timed and classed by what it
+scheduled: ``prompt`` (a prompt chunk), ``verify`` (drafts verified), ``decode`` (one token each), ``commit``
+(an overlapped step's commit that launched nothing). Reported per row: the run's time, the time and count of
+each class, the time between steps (the generate loop), the longest steps, and for the adaptive row each
+decision and record of the policy. Writes $OUT/step_trace.json.
+
+    python benchmarks/step_trace_gpu.py --set humaneval --prompts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.train_heads_gpu as th  # noqa: E402
+from benchmarks.gpu_engine import sync  # noqa: E402
+from specserve.sampling import SamplingParams  # noqa: E402
+from specserve.spec.params import SPEC_OFF, SpecParams  # noqa: E402
+from specserve.spec.policy import SpecPolicy  # noqa: E402
+
+
+class Logged(SpecPolicy):
+    """Keeps every decision and record (decision number, batch size, cap, ms, tokens)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.log: list = []
+
+    def choose(self, batch_size: int) -> int | None:
+        cap = super().choose(batch_size)
+        self.log.append(["choose", self.decisions, batch_size, cap])
+        return cap
+
+    def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
+        self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens])
+        super().record(batch_size, cap, seconds, tokens, outcomes)
+
+
+def trace(engine, prompts, params, spec) -> dict:
+    """Run ``prompts`` one at a time, timing every step() and classing it."""
+    last: list = []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        last.append(out)
+        return out
+
+    engine.scheduler.schedule = watched
+    steps, gaps = [], []
+    sync(engine.device)
+    t0 = time.perf_counter()
+    try:
+        for prompt in prompts:
+            rid = f"trace-{time.monotonic_ns()}"
+            engine.add_request(rid, prompt, params, spec)
+            req = engine.requests[rid]
+            end = None
+            while not req.finished:
+                begin = time.perf_counter()
+                if end is not None:
+                    gaps.append(begin - end)
+                last.clear()
+                outs = engine.step()
+                end = time.perf_counter()
+                sched = next((s for s in last if not s.is_empty), None)
+                if sched is None:
+                    kind = "commit"
+                elif not all(s.samples and s.num_new_tokens == 1 + s.num_spec_tokens for s in sched.scheduled):
+                    kind = "prompt"
+                elif any(s.num_spec_tokens for s in sched.scheduled):
+                    kind = "verify"
+                else:
+                    kind = "decode"
+                steps.append((kind, end - begin, sum(len(o.new_token_ids) for o in outs)))
+        sync(engine.device)
+    finally:
+        engine.scheduler.schedule = schedule
+    total = time.perf_counter() - t0
+    tokens = sum(t for _, _, t in steps)
+    by_kind = {}
+    for kind in ("prompt", "verify", "decode", "commit"):
+        times = [d for k, d, _ in steps if k == kind]
+        by_kind[kind] = {"steps": len(times), "seconds": sum(times),
+                         "median_ms": statistics.median(times) * 1e3 if times else None,
+                         "tokens": sum(t for k, _, t in steps if k == kind)}
+    longest = sorted(((d * 1e3, k, i) for i, (k, d, _) in enumerate(steps)), reverse=True)[:12]
+    return {"seconds": total, "tokens": tokens, "tok_s": tokens / total, "steps": len(steps),
+            "in_steps_seconds": sum(d for _, d, _ in steps), "between_steps_seconds": sum(gaps),
+            "by_kind": by_kind, "longest_ms": longest,
+            "first_steps_ms": [[k, round(d * 1e3, 3), t] for k, d, t in steps[:40]]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", default="humaneval", choices=["mt_bench", "humaneval", "gsm8k"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--gsm8k-limit", type=int, default=200)
+    ap.add_argument("--cold", action="store_true", help="no warm-up: first-use costs land in the rows")
+    ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3")
+    args = ap.parse_args()
+    engine, ids = th.eval_engine(args, {"eagle3": th.ROOT / args.eagle3_head})
+    prompts = ids[args.set][:args.prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    k3 = SpecParams("eagle3", 3)
+    if not args.cold:  # warm-up: graphs of every draft length at batch 1, prefill kernels of a few prompt shapes
+        for spec in (SPEC_OFF, SpecParams("eagle3", 1), SpecParams("eagle3", 2), k3):
+            engine.generate(ids[args.set][-2:-1], SamplingParams(max_tokens=32, temperature=0.0), spec)
+        for prompt in ids[args.set][-8:]:
+            engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    result = {"command": " ".join(["python", *sys.argv]),
+              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "rows": {}}
+    for name, spec, adaptive in (("plain", SPEC_OFF, False), ("eagle3_k3", k3, False),
+                                 ("eagle3_k3_adaptive", k3, True), ("plain_again", SPEC_OFF, False)):
+        policy = Logged(caps=(0, 1)) if adaptive else None
+        engine.set_spec_policy(policy)
+        row = trace(engine, prompts, params, spec)
+        if policy is not None:
+            row["policy"] = policy.snapshot()
+            row["policy_log"] = policy.log
+        result["rows"][name] = row
+        kinds = " ".join(f"{k}:{v['steps']}/{v['seconds'] * 1e3:.0f}ms/med{v['median_ms'] or 0:.2f}"
+                         for k, v in row["by_kind"].items())
+        print(f"{name:20s} {row['tok_s']:7.0f} tok/s {row['seconds']:.3f}s steps {row['steps']} "
+              f"between {row['between_steps_seconds'] * 1e3:.0f}ms {kinds}", flush=True)
+        print("   longest", [(round(ms, 2), k) for ms, k, _ in row["longest_ms"][:8]], flush=True)
+    th.OUT.mkdir(parents=True, exist_ok=True)
+    (th.OUT / "step_trace.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Where the time of an offline run goes, step by step (GPU machine, not CI; a diagnostic): the real SmolLM2 target
 and the committed EAGLE-3 head as ``train_heads_gpu.py speed`` loads them (run its two ``stage`` calls first), the
-first ``--prompts`` prompts of one evaluation set one at a time (concurrency 1), greedy, for plain decoding, a
+first ``--prompts`` prompts of one evaluation set ``--concurrency`` at a time, greedy, for plain decoding, a
 fixed EAGLE-3 k = 3 and the adaptive policy. Every ``engine.step()`` call is timed and classed by what it
 scheduled: ``prompt`` (a prompt chunk), ``verify`` (drafts verified), ``decode`` (one token each), ``commit``
 (an overlapped step's commit that launched nothing). Reported per row: the run's time, the time and count of
@@ -47,8 +47,8 @@ class Logged(SpecPolicy):
         super().record(batch_size, cap, seconds, tokens, outcomes)
 
 
-def trace(engine, prompts, params, spec) -> dict:
-    """Run ``prompts`` one at a time, timing every step() and classing it."""
+def trace(engine, prompts, params, spec, concurrency: int = 1) -> dict:
+    """Run ``prompts`` ``concurrency`` at a time, timing every step() and classing it."""
     last: list = []
     schedule = engine.scheduler.schedule
 
@@ -62,18 +62,22 @@ def trace(engine, prompts, params, spec) -> dict:
     sync(engine.device)
     t0 = time.perf_counter()
     try:
-        for prompt in prompts:
-            rid = f"trace-{time.monotonic_ns()}"
-            engine.add_request(rid, prompt, params, spec)
-            req = engine.requests[rid]
+        for i in range(0, len(prompts), concurrency):
+            reqs = []
+            for prompt in prompts[i:i + concurrency]:
+                rid = f"trace-{time.monotonic_ns()}"
+                engine.add_request(rid, prompt, params, spec)
+                reqs.append(engine.requests[rid])
             end = None
-            while not req.finished:
+            while not all(r.finished for r in reqs):
                 begin = time.perf_counter()
                 if end is not None:
                     gaps.append(begin - end)
                 last.clear()
+                captured = engine._capture_seconds()
                 outs = engine.step()
                 end = time.perf_counter()
+                capture = engine._capture_seconds() - captured
                 sched = next((s for s in last if not s.is_empty), None)
                 if sched is None:
                     kind = "commit"
@@ -83,29 +87,33 @@ def trace(engine, prompts, params, spec) -> dict:
                     kind = "verify"
                 else:
                     kind = "decode"
-                steps.append((kind, end - begin, sum(len(o.new_token_ids) for o in outs)))
+                steps.append((kind, end - begin, sum(len(o.new_token_ids) for o in outs), capture,
+                              engine.num_running))
         sync(engine.device)
     finally:
         engine.scheduler.schedule = schedule
     total = time.perf_counter() - t0
-    tokens = sum(t for _, _, t in steps)
+    tokens = sum(t for _, _, t, _, _ in steps)
     by_kind = {}
     for kind in ("prompt", "verify", "decode", "commit"):
-        times = [d for k, d, _ in steps if k == kind]
+        times = [d for k, d, *_ in steps if k == kind]
         by_kind[kind] = {"steps": len(times), "seconds": sum(times),
                          "median_ms": statistics.median(times) * 1e3 if times else None,
-                         "tokens": sum(t for k, _, t in steps if k == kind)}
-    longest = sorted(((d * 1e3, k, i) for i, (k, d, _) in enumerate(steps)), reverse=True)[:12]
+                         "tokens": sum(t for k, _, t, *_ in steps if k == kind)}
+    longest = sorted(((d * 1e3, k, i, round(c * 1e3, 1), b) for i, (k, d, _, c, b) in enumerate(steps)),
+                     reverse=True)[:12]
     return {"seconds": total, "tokens": tokens, "tok_s": tokens / total, "steps": len(steps),
-            "in_steps_seconds": sum(d for _, d, _ in steps), "between_steps_seconds": sum(gaps),
+            "in_steps_seconds": sum(d for _, d, *_ in steps), "between_steps_seconds": sum(gaps),
+            "capture_seconds": sum(c for *_, c, _ in steps), "captures": sum(c > 0 for *_, c, _ in steps),
             "by_kind": by_kind, "longest_ms": longest,
-            "first_steps_ms": [[k, round(d * 1e3, 3), t] for k, d, t in steps[:40]]}
+            "steps_ms": [[k, round(d * 1e3, 3), t, round(c * 1e3, 1), b] for k, d, t, c, b in steps]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", default="humaneval", choices=["mt_bench", "humaneval", "gsm8k"])
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -117,9 +125,15 @@ def main() -> int:
     prompts = ids[args.set][:args.prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     k3 = SpecParams("eagle3", 3)
-    if not args.cold:  # warm-up: graphs of every draft length at batch 1, prefill kernels of a few prompt shapes
-        for spec in (SPEC_OFF, SpecParams("eagle3", 1), SpecParams("eagle3", 2), k3):
-            engine.generate(ids[args.set][-2:-1], SamplingParams(max_tokens=32, temperature=0.0), spec)
+    if not args.cold:  # warm-up: graphs of every draft length and of a policy's catch-ups at batch 1 and at the
+        # concurrency (draining), prefill kernels of a few prompt shapes
+        warm = ids[args.set][-args.concurrency - 1:]
+        for batch in (warm[:1], warm[1:]):
+            for spec in (SPEC_OFF, SpecParams("eagle3", 1), SpecParams("eagle3", 2), k3):
+                engine.generate(batch, SamplingParams(max_tokens=32, temperature=0.0), spec)
+            engine.set_spec_policy(SpecPolicy(caps=(0, 1), probe_every=4))
+            engine.generate(batch, SamplingParams(max_tokens=96, temperature=0.0), k3)
+            engine.set_spec_policy(None)
         for prompt in ids[args.set][-8:]:
             engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
     result = {"command": " ".join(["python", *sys.argv]),
@@ -128,7 +142,7 @@ def main() -> int:
                                  ("eagle3_k3_adaptive", k3, True), ("plain_again", SPEC_OFF, False)):
         policy = Logged(caps=(0, 1)) if adaptive else None
         engine.set_spec_policy(policy)
-        row = trace(engine, prompts, params, spec)
+        row = trace(engine, prompts, params, spec, args.concurrency)
         if policy is not None:
             row["policy"] = policy.snapshot()
             row["policy_log"] = policy.log
@@ -136,8 +150,10 @@ def main() -> int:
         kinds = " ".join(f"{k}:{v['steps']}/{v['seconds'] * 1e3:.0f}ms/med{v['median_ms'] or 0:.2f}"
                          for k, v in row["by_kind"].items())
         print(f"{name:20s} {row['tok_s']:7.0f} tok/s {row['seconds']:.3f}s steps {row['steps']} "
-              f"between {row['between_steps_seconds'] * 1e3:.0f}ms {kinds}", flush=True)
-        print("   longest", [(round(ms, 2), k) for ms, k, _ in row["longest_ms"][:8]], flush=True)
+              f"between {row['between_steps_seconds'] * 1e3:.0f}ms captures {row['captures']} "
+              f"{row['capture_seconds'] * 1e3:.0f}ms {kinds}", flush=True)
+        print("   longest (ms, kind, step, capture ms, running)", [x[:2] + x[3:] for x in row["longest_ms"][:8]],
+              flush=True)
     th.OUT.mkdir(parents=True, exist_ok=True)
     (th.OUT / "step_trace.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -480,11 +480,18 @@ def speed(args) -> None:
     # adaptive row's caps, and fewer drafts near max_tokens), at batch 1 and at batch 8 (which drains through the
     # smaller buckets), and each set's first prompts one at a time (prefill kernels compile per shape class): stop
     # 27's step_trace_gpu.py found 0.4 s steps on first use of a shape inside timed rows.
-    for method, k, _, temperature in methods:
+    # An adaptive row also runs once with a policy (its catch-ups after cap-0 steps ingest longer queues).
+    for method, k, adaptive, temperature in methods:
         for num_spec in range(1, k + 1) if k else (0,):
             for batch in (ids["mt_bench"][:1], ids["mt_bench"][:8]):
                 engine.generate(batch, SamplingParams(max_tokens=24, temperature=temperature, seed=0),
                                 SpecParams(method, num_spec))
+        if adaptive:
+            for batch in (ids["humaneval"][:1], ids["humaneval"][:8]):
+                engine.set_spec_policy(SpecPolicy(caps=(0, 1, max(1, k // 2)), probe_every=4))
+                engine.generate(batch, SamplingParams(max_tokens=96, temperature=temperature, seed=0),
+                                SpecParams(method, k))
+            engine.set_spec_policy(None)
     for prompts in ids.values():
         for prompt in prompts[:2]:
             engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))

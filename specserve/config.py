@@ -110,7 +110,7 @@ class CudaGraphConfig:
     ``num_spec_tokens``: fewer drafts are verified near max_tokens and under the adaptive policy's caps) for every
     bucket when the engine starts; other query lengths are captured the first time a step needs them.
     ``draft_steps``: also capture an EAGLE-3 head's drafting, captured on first use (``spec/draft_graphs.py``): its
-    ingest forward and all k draft steps as one graph per (bucket, longest queue, k) in steady decoding, else
+    ingest forward and all k draft steps as one graph per (bucket, padded queue length, k) in steady decoding, else
     steps 2..k as one per (bucket, steps) after an eager ingest. On by default: on the H200 (benchmarks/results/
     gpu_engine_session13_sync.json, SmolLM2 shape, k = 4, side by side in one run) steps 2..k alone took EAGLE-3
     from 132 to 341 output tokens/s at concurrency 1 and from 4842 to 7218 at 32; the ingest in the same graph

@@ -20,12 +20,12 @@ Worked example: block_size 4, steps 2, bucket 2, one request R with c = 10 entri
 
 Ingest graphs (``run_ingest``). The head's ingest forward before the chain (each request's queued entries: its
 verified tokens with the target's features, 1 to k + 1 of them in steady decoding) is just as static once padded:
-rows of ``q`` entries per request (``q`` the longest queue; a shorter queue gets padding entries after its own,
-slot -1, and a seq_len grown by as many, so its real entries keep their positions and causality hides the
-padding, as in the target's padded steps, ``engine/cuda_graphs.py``), then each request's last real row gives the
-first draft and its feature, and the chain follows in the same graph: one replay and one device-to-host copy per
-drafting step, captured per (bucket, q, steps). Eagerly the ingest alone is ~1 ms of host work on an H200's host
-(``benchmarks/results/spec_step_profile_gpu.json``) for ~0.1 ms of device work.
+rows of ``q`` entries per request (``q`` the longest queue rounded up to a power of two; a shorter queue gets padding
+entries after its own, slot -1, and a seq_len grown by as many, so its real entries keep their positions and
+causality hides the padding, as in the target's padded steps, ``engine/cuda_graphs.py``), then each request's last
+real row gives the first draft and its feature, and the chain follows in the same graph: one replay and one
+device-to-host copy per drafting step, captured per (bucket, q, steps). Eagerly the ingest alone is ~1 ms of host
+work on an H200's host (``benchmarks/results/spec_step_profile_gpu.json``) for ~0.1 ms of device work.
 
 Padding rows write no KV (slot -1) and attend to one key. A request that asked for fewer drafts than the chain
 runs still gets the longer chain: its extra drafts are dropped, and the caller's ``truncate`` rolls back their
@@ -230,10 +230,20 @@ class ChainGraphRunner:
     # ---- ingest + chain in one graph -----------------------------------------------------------
     def fits_ingest(self, query_lens: list[int], steps: int, longest: int) -> bool:
         """Requests queueing ``query_lens`` entries each, ``steps`` chain steps after the ingest, the longest
-        request (padded queue and chain included) ending at ``longest`` positions."""
+        request (its queue padded to the longest and chain included) ending at ``longest`` positions; every queue
+        is padded further to ``_ingest_len`` entries (``run_ingest``), which must fit too."""
         return (bool(query_lens) and 0 <= steps <= self.max_steps and len(query_lens) <= self.max_batch
                 and 1 <= min(query_lens) and max(query_lens) <= self.max_ingest
-                and longest <= self.width * self.block_size)
+                and longest - max(query_lens) + self._ingest_len(query_lens) <= self.width * self.block_size)
+
+    def _ingest_len(self, query_lens: list[int]) -> int:
+        """The padded queue length of an ingest graph: the longest queue rounded up to a power of two (at most
+        ``max_ingest``), so that one graph per (bucket, 1 / 2 / 4 / 8, steps) serves every queue length. Queue
+        lengths vary (1 + accepted drafts; the steps a drafter sat out at the adaptive policy's cap 0), and a
+        graph per length, captured on first use, cost the adaptive policy's H200 runs of stop 27 many captures;
+        a one-layer head's padding rows (at most as many as real ones) cost little. Examples (max_ingest 8):
+        [1, 1] -> 1, [3, 1] -> 4, [5] -> 8."""
+        return min(1 << (max(query_lens) - 1).bit_length(), self.max_ingest)
 
     def _ingest_views(self, bucket: int, q: int, steps: int):
         """Views of the ingest staging: ids, positions, slots [B*q]; seq_lens, last rows [B]; chain positions,
@@ -323,8 +333,8 @@ class ChainGraphRunner:
     ) -> list[list[int]]:  # [num_rows][1 + steps] drafts 1 .. steps + 1
         n = len(query_lens)
         bucket = bucket_for(self.buckets, n)
-        q = max(query_lens)
-        assert bucket is not None and self.fits_ingest(query_lens, steps, max(computed) + q + steps), \
+        q = self._ingest_len(query_lens)
+        assert bucket is not None and self.fits_ingest(query_lens, steps, max(computed) + max(query_lens) + steps), \
             "ingest does not fit"
         forward, graph = self._ingest_step(bucket, q, steps)  # may capture: before these values load
         values = self._ingest_values(input_ids, query_lens, computed, tables, bucket, q, steps)

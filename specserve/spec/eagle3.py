@@ -46,7 +46,7 @@ class Eagle3Proposer:
                          max_positions: int, capture: bool, pool=None) -> None:
         """Run the drafting as static forwards, CUDA graphs when ``capture`` (``spec/draft_graphs.py``; ``pool``:
         the memory pool to capture into, e.g. the target graphs'): the ingest and all k draft steps as one per
-        (batch bucket, longest queue, steps) when every drafting request queued a few entries (steady decoding),
+        (batch bucket, padded queue length, steps) when every drafting request queued a few entries (steady decoding),
         else draft steps 2..k as one per (batch bucket, steps) after an eager ingest; batches that fit neither keep
         the eager loop."""
         self.chain = ChainGraphRunner(self.head, self.kv, batch_sizes, max_num_seqs, max_steps, max_positions,

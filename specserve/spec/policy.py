@@ -272,7 +272,9 @@ class SpecPolicy:
         stats = arms[arm]
         seen = stats.probe_goodput()
         others = [s.goodput for a, s in arms.items() if a != arm and s.goodput is not None]
-        if seen is not None and others and seen < (1 - self.margin) * max(others):
+        if seen is None and stats.goodput is not None:
+            pass  # the engine credited none of its steps (one-off costs): no news, the interval stays
+        elif seen is not None and others and seen < (1 - self.margin) * max(others):
             stats.interval = min(2 * stats.interval, self.max_probe_every)
         else:
             stats.interval = self.probe_every

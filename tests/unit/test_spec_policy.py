@@ -156,6 +156,25 @@ def test_goodput_counts_tokens_over_time_not_the_typical_step() -> None:
     assert arm.snapshot()["1-1"]["none"] == pytest.approx(9 / 3.1)  # the docstring's example
 
 
+def test_a_probe_the_engine_credited_nothing_leaves_the_probe_interval_alone() -> None:
+    """A losing arm's probe whose steps the engine could not credit (a capture, a catch-up) tells nothing: its
+    interval neither doubles nor goes back to probe_every (it did, and such an arm came back every probe_every
+    decisions)."""
+    policy = SpecPolicy(caps=(0,), probe_every=8, probe_steps=2)
+    table = {None: 300, 0: 100}
+    blind, chosen = False, []
+    for i in range(400):
+        cap = policy.choose(1)
+        if not (blind and cap == 0):
+            policy.record(1, cap, seconds=1.0, tokens=table[cap])
+        chosen.append(cap)
+        blind = i >= 150
+    starts = probe_starts(chosen, 0)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    late = [g for a, g in zip(starts, gaps) if a > 160]
+    assert late and all(g == late[0] for g in late) and late[0] >= 32, gaps
+
+
 def outcome(rng, alphas: list[float], num_drafts: int) -> tuple[int, int]:
     """A request's verify outcome: draft i is accepted with probability alphas[i - 1] once drafts 1..i-1 were."""
     accepted = 0

@@ -72,8 +72,10 @@ class InFlightStep:
     num_prompt_tokens: int  # prompt tokens this step computed (a last prompt chunk of one token), for metrics
 
 
-# At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since.
-LAZY_DRAFT_STEPS = 16
+# At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since:
+# with the synchronous step's own token, a queue of at most 16 entries a request, which an EAGLE ingest graph takes
+# in one replay (spec/draft_graphs.py INGEST_MAX_ENTRIES; at 16 steps the 17-entry catch-up ran eagerly).
+LAZY_DRAFT_STEPS = 15
 
 
 def spec_caps(num_spec_tokens: int) -> tuple[int, ...]:

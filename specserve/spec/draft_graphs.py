@@ -42,10 +42,11 @@ import torch
 from specserve.engine.cuda_graphs import StagingBuffer, bucket_for, bucket_sizes, capture_graph
 from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
 
-# Longest queue of head entries per request an ingest graph takes (steady decoding queues k + 1 at most); longer
-# ones (a prefill chunk, catch-up after lazy steps, k > 7) ingest eagerly. Bounds the static feature buffer:
-# [largest bucket x this, n_aux x target hidden].
-INGEST_MAX_ENTRIES = 8
+# Longest queue of head entries per request an ingest graph takes: k + 1 in steady decoding, up to the engine's
+# LAZY_DRAFT_STEPS + 1 in the catch-up after the adaptive policy's cap-0 steps; longer ones (a prefill chunk)
+# ingest eagerly. Bounds the static feature buffer: [largest bucket x this, n_aux x target hidden] (Llama-3.1-8B
+# at 256 sequences: 100 MB in bf16).
+INGEST_MAX_ENTRIES = 16
 
 
 class ChainGraphRunner:
@@ -70,8 +71,8 @@ class ChainGraphRunner:
         b, k = self.max_batch, max_steps
         self._staging = StagingBuffer(b + 3 * k * b + b * self.width, device)
         self.staging = self._staging.device
-        # ingest graphs: queues of up to max_ingest entries per request (k + 1 in steady decoding at k <= 7)
-        self.max_ingest = min(MAX_PADDED_QUERY_LEN, max_steps + 2, INGEST_MAX_ENTRIES)
+        # ingest graphs: queues of up to max_ingest entries per request (INGEST_MAX_ENTRIES)
+        self.max_ingest = min(MAX_PADDED_QUERY_LEN, INGEST_MAX_ENTRIES)
         q = self.max_ingest
         self._ingest_staging = StagingBuffer(4 * b * q + 2 * b + 3 * k * b + b * self.width, device)
         with torch.inference_mode():
@@ -241,8 +242,8 @@ class ChainGraphRunner:
         ``max_ingest``), so that one graph per (bucket, 1 / 2 / 4 / 8, steps) serves every queue length. Queue
         lengths vary (1 + accepted drafts; the steps a drafter sat out at the adaptive policy's cap 0), and a
         graph per length, captured on first use, cost the adaptive policy's H200 runs of stop 27 many captures;
-        a one-layer head's padding rows (at most as many as real ones) cost little. Examples (max_ingest 8):
-        [1, 1] -> 1, [3, 1] -> 4, [5] -> 8."""
+        a one-layer head's padding rows (at most as many as real ones) cost little. Examples (max_ingest 16):
+        [1, 1] -> 1, [3, 1] -> 4, [5] -> 8, [16, 9] -> 16."""
         return min(1 << (max(query_lens) - 1).bit_length(), self.max_ingest)
 
     def _ingest_views(self, bucket: int, q: int, steps: int):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from specserve.config import SpecConfig
 from specserve.layers.attention import TorchAttentionBackend, build_attention_metadata
 from specserve.sampling import SamplingParams
+from specserve.spec.draft_graphs import INGEST_MAX_ENTRIES
 from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.eagle_checkpoint import (
     dummy_head,
@@ -314,7 +315,11 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
     ks = [SpecParams("eagle3", k) for k in (4, 2, 7, 1)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 12, 30, 30)]
     reqs = engine.generate(prompts([5, 17, 3, 40]), params, ks)
-    assert len(drafts) > 20 and runs and ingests, "the static chain and the static ingest ran"
+    assert len(drafts) > 20 and ingests, "the static ingest ran"
+    if budget > INGEST_MAX_ENTRIES:  # whole prompts of 17 and 40 tokens queue more than an ingest graph takes
+        assert runs, "after an eager ingest the static chain ran"
+    else:  # prompt chunks of 7 fit an ingest graph: requests taking in a chunk share it with those drafting
+        assert not runs and any(max(q) > 1 and min(q) == 1 for q in ingests if len(q) > 1)
     if buckets == (1, 2):  # four (or three) requests at once do not fit; the last two do
         assert max(runs) <= 2 and max(map(len, ingests)) <= 2
     for tokens, k, draft in drafts:
@@ -322,6 +327,39 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
         assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
     plain = tiny_engine(max_num_batched_tokens=budget).generate(prompts([5, 17, 3, 40]), params)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: bool) -> None:
+    """At the adaptive policy's cap 0 the drafters skip LAZY_DRAFT_STEPS steps, then catch up on every entry
+    queued meanwhile: one static ingest with no chain steps (``run_ingest`` steps 0, the queue of LAZY_DRAFT_STEPS
+    + 1 entries padded to INGEST_MAX_ENTRIES: one graph replay on a GPU, not an eager ingest); when drafting
+    resumes the drafts are exactly the from-scratch reference's, and the output is plain greedy's."""
+    from specserve.engine.engine import LAZY_DRAFT_STEPS
+    from tests.unit.test_spec_engine import assert_clean
+    from tests.unit.test_spec_policy import Alternating
+
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3, adaptive=True,
+                                         head_cpu_quant="none"), block_size=4)
+    engine.async_scheduling = async_steps
+    proposer = engine.proposers["eagle3"]
+    proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
+    engine.set_spec_policy(Alternating(2 * LAZY_DRAFT_STEPS + 4))
+    ingests = []
+    inner = proposer.chain.run_ingest
+    proposer.chain.run_ingest = lambda *a: ingests.append((tuple(a[2]), a[5])) or inner(*a)
+    drafts = record_drafts(proposer)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    ps = prompts([5, 9, 3])
+    reqs = engine.generate(ps, params)
+    catch_ups = [q for q, steps in ingests if steps == 0]
+    assert catch_ups and max(map(max, catch_ups)) == LAZY_DRAFT_STEPS + 1 <= INGEST_MAX_ENTRIES
+    assert len(drafts) > 20
+    for tokens, k, draft in drafts:
+        assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
+    plain = tiny_engine(block_size=4).generate(ps, params)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert_clean(engine)
 
 
 def test_static_ingest_pads_queues_of_different_lengths_like_the_eager_ingest() -> None:

@@ -136,6 +136,9 @@ def main() -> int:
             engine.set_spec_policy(None)
         for prompt in ids[args.set][-8:]:
             engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        chain = engine.proposers["eagle3"].chain  # the drafter's graphs of every queue length (catch-ups of 16)
+        if chain is not None:
+            chain.build(list(range(1, args.concurrency + 1)), [0, 1, 2])
     result = {"command": " ".join(["python", *sys.argv]),
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "rows": {}}
     for name, spec, adaptive in (("plain", SPEC_OFF, False), ("eagle3_k3", k3, False),

@@ -495,6 +495,9 @@ def speed(args) -> None:
     for prompts in ids.values():
         for prompt in prompts[:2]:
             engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+    chain = getattr(engine.proposers.get("eagle3"), "chain", None)  # the drafter's graphs of every queue length
+    if chain is not None:  # (an adaptive row's catch-ups after cap-0 steps queue up to 16 entries)
+        chain.build(list(range(1, 9)), list(range(0, 5)))
     results: dict = {"command": " ".join(sys.argv), "head": args.eagle3_head,
                      "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
                      "max_tokens": args.max_tokens, "greedy": not args.sampled_temperature,

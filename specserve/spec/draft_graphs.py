@@ -203,6 +203,19 @@ class ChainGraphRunner:
             self.features[:bucket].zero_()
         return self._built((bucket, steps), lambda: self._forward_for(bucket, steps), load_padding)
 
+    def build(self, batch_sizes: list[int], steps: list[int]) -> None:
+        """Build (with capture: capture) now the ingest graphs of every padded queue length for these batch sizes'
+        buckets and chain lengths (0: ingest only, the catch-up after cap-0 steps), and the chain-only graphs of
+        those of ``steps`` >= 1; a first use inside a step would capture there (a warm-up, e.g. a benchmark's)."""
+        qs = sorted({self._ingest_len([n]) for n in range(1, self.max_ingest + 1)})
+        for bucket in sorted({bucket_for(self.buckets, b) for b in batch_sizes} - {None}, reverse=True):
+            for n in steps:
+                if 0 <= n <= self.max_steps:
+                    for q in qs:
+                        self._ingest_step(bucket, q, n)
+                if 1 <= n <= self.max_steps:
+                    self._step(bucket, n)
+
     # ---- run -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(

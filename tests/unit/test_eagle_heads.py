@@ -362,6 +362,19 @@ def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: boo
     assert_clean(engine)
 
 
+def test_chain_runner_builds_every_ingest_shape_ahead() -> None:
+    """``build`` makes the ingest forwards of every padded queue length (1, 2, 4, 8, 16) for the buckets holding
+    the given batch sizes and chain lengths (0: ingest only), and the chain-only forwards of lengths >= 1; a run
+    then finds its shape built."""
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3), block_size=4)
+    proposer = engine.proposers["eagle3"]
+    proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
+    chain = proposer.chain
+    chain.build([1, 3], [0, 2])
+    qs = (1, 2, 4, 8, INGEST_MAX_ENTRIES)
+    assert set(chain.forwards) == {(b, q, n) for b in (1, 4) for q in qs for n in (0, 2)} | {(1, 2), (4, 2)}
+
+
 def test_static_ingest_pads_queues_of_different_lengths_like_the_eager_ingest() -> None:
     """``run_ingest`` with queues of different lengths in one batch (padded to the longest: padding entries write no
     KV and the real ones keep their positions) drafts exactly what the eager ingest + loop drafts, round after

@@ -203,6 +203,7 @@ class ChainGraphRunner:
             self.features[:bucket].zero_()
         return self._built((bucket, steps), lambda: self._forward_for(bucket, steps), load_padding)
 
+    @torch.inference_mode()
     def build(self, batch_sizes: list[int], steps: list[int]) -> None:
         """Build (with capture: capture) now the ingest graphs of every padded queue length for these batch sizes'
         buckets and chain lengths (0: ingest only, the catch-up after cap-0 steps), and the chain-only graphs of

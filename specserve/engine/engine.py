@@ -45,6 +45,7 @@ from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.stats import RequestStats, StepStats
 from specserve.layers.sampler import sample_on_device
 from specserve.sampling import SamplingParams
+from specserve.spec.draft_graphs import INGEST_MAX_ENTRIES
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
 from specserve.spec.policy import SpecPolicy
 from specserve.spec.proposer import Proposer, VerifiedChunk
@@ -73,9 +74,9 @@ class InFlightStep:
 
 
 # At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since:
-# with the synchronous step's own token, a queue of at most 16 entries a request, which an EAGLE ingest graph takes
-# in one replay (spec/draft_graphs.py INGEST_MAX_ENTRIES; at 16 steps the 17-entry catch-up ran eagerly).
-LAZY_DRAFT_STEPS = 15
+# with the synchronous step's own token, a queue that an EAGLE ingest graph takes in one replay (at 16 steps the
+# 17-entry catch-up ran eagerly).
+LAZY_DRAFT_STEPS = INGEST_MAX_ENTRIES - 1
 
 
 def spec_caps(num_spec_tokens: int) -> tuple[int, ...]:

@@ -253,7 +253,7 @@ class ChainGraphRunner:
 
     def _ingest_len(self, query_lens: list[int]) -> int:
         """The padded queue length of an ingest graph: the longest queue rounded up to a power of two (at most
-        ``max_ingest``), so that one graph per (bucket, 1 / 2 / 4 / 8, steps) serves every queue length. Queue
+        ``max_ingest``), so that one graph per (bucket, 1 / 2 / 4 / 8 / 16, steps) serves every queue length. Queue
         lengths vary (1 + accepted drafts; the steps a drafter sat out at the adaptive policy's cap 0), and a
         graph per length, captured on first use, cost the adaptive policy's H200 runs of stop 27 many captures;
         a one-layer head's padding rows (at most as many as real ones) cost little. Examples (max_ingest 16):

@@ -31,20 +31,41 @@ from specserve.spec.policy import SpecPolicy  # noqa: E402
 
 
 class Logged(SpecPolicy):
-    """Keeps every decision and record (decision number, batch size, cap, ms, tokens)."""
+    """Keeps every decision and record (decision number, batch size, cap, ms, tokens) and the host time spent in
+    the policy (``seconds``). ``pin`` (a cap, or "none" for no cap): every decision returns it instead of the
+    policy's choice (the engine runs its adaptive machinery, the policy learns and is timed, but what runs is a
+    fixed arm)."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, pin: int | str = "free", **kw) -> None:
         super().__init__(**kw)
         self.log: list = []
+        self.pin, self.seconds = pin, 0.0
 
     def choose(self, batch_size: int) -> int | None:
+        t0 = time.perf_counter()
         cap = super().choose(batch_size)
+        self.seconds += time.perf_counter() - t0
+        if self.pin != "free":
+            cap = None if self.pin == "none" else self.pin
         self.log.append(["choose", self.decisions, batch_size, cap])
         return cap
 
     def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
         self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens])
+        t0 = time.perf_counter()
         super().record(batch_size, cap, seconds, tokens, outcomes)
+        self.seconds += time.perf_counter() - t0
+
+    def observe(self, outcomes) -> None:
+        t0 = time.perf_counter()
+        super().observe(outcomes)
+        self.seconds += time.perf_counter() - t0
+
+
+# row -> (spec, policy): spec None is EAGLE-3 k = 3; policy None runs none, "free" the adaptive policy, a cap
+# ("none": no cap, 0, 1) the adaptive machinery with every decision pinned to that cap
+ROWS = {"plain": (SPEC_OFF, None), "eagle3_k3": (None, None), "eagle3_k3_adaptive": (None, "free"),
+        "eagle3_k3_pinned_none": (None, "none"), "eagle3_k3_pinned_0": (None, 0), "plain_again": (SPEC_OFF, None)}
 
 
 def trace(engine, prompts, params, spec, concurrency: int = 1) -> dict:
@@ -120,7 +141,12 @@ def main() -> int:
     ap.add_argument("--gsm8k-limit", type=int, default=200)
     ap.add_argument("--cold", action="store_true", help="no warm-up: first-use costs land in the rows")
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3")
+    ap.add_argument("--rows", default="plain,eagle3_k3,eagle3_k3_adaptive,plain_again",
+                    help=f"rows to run, in order, from {','.join(ROWS)}")
     args = ap.parse_args()
+    rows = args.rows.split(",")
+    if not set(rows) <= set(ROWS):
+        ap.error(f"--rows: unknown {sorted(set(rows) - set(ROWS))}; choose from {','.join(ROWS)}")
     engine, ids = th.eval_engine(args, {"eagle3": th.ROOT / args.eagle3_head})
     prompts = ids[args.set][:args.prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -141,14 +167,15 @@ def main() -> int:
             chain.build(list(range(1, args.concurrency + 1)), [0, 1, 2])
     result = {"command": " ".join(["python", *sys.argv]),
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "rows": {}}
-    for name, spec, adaptive in (("plain", SPEC_OFF, False), ("eagle3_k3", k3, False),
-                                 ("eagle3_k3_adaptive", k3, True), ("plain_again", SPEC_OFF, False)):
-        policy = Logged(caps=(0, 1)) if adaptive else None
+    for name in rows:
+        spec, pin = ROWS[name]
+        policy = None if pin is None else Logged(caps=(0, 1), pin=pin)
         engine.set_spec_policy(policy)
-        row = trace(engine, prompts, params, spec, args.concurrency)
+        row = trace(engine, prompts, params, spec if spec is not None else k3, args.concurrency)
         if policy is not None:
             row["policy"] = policy.snapshot()
             row["policy_log"] = policy.log
+            row["policy_seconds"] = policy.seconds
         result["rows"][name] = row
         kinds = " ".join(f"{k}:{v['steps']}/{v['seconds'] * 1e3:.0f}ms/med{v['median_ms'] or 0:.2f}"
                          for k, v in row["by_kind"].items())

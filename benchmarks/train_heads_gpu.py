@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tarfile
 import time
@@ -443,6 +444,8 @@ def speed(args) -> None:
     recorded. With ``--sampled-temperature T`` also plain and EAGLE-3 (k = 3, 5) sampling at temperature T (seed 0
     for every request, so the plain and speculative rows draw from the same distributions; outputs differ, as
     rejection sampling draws other random numbers): the acceptance length a sampled request gets, and its speed.
+    With ``--repeats N`` every row runs N times, the rows of a set and mode interleaved (drift reaches each alike),
+    and reports the median (an adaptive row's policy learns afresh each time, so its runs spread the widest).
     Writes $OUT/speed.json."""
     from benchmarks.gpu_engine import sync
     from specserve.config import SpecConfig
@@ -509,37 +512,47 @@ def speed(args) -> None:
                                    ("all", prompts, len(prompts))):
             if mode not in args.modes.split(","):
                 continue
+            measured: dict = {}  # row -> [(seconds, requests, policy)] of each repeat, rows interleaved
+            for _ in range(args.repeats):
+                for row_key in methods:
+                    method, k, adaptive, temperature = row_key
+                    spec, params = SpecParams(method, k), sampled if temperature else greedy
+                    engine.set_spec_policy(Counting(caps=(0, 1, max(1, k // 2))) if adaptive else None)
+                    runs = []  # "all" runs twice: the first captures the draft graphs of its batch buckets (and an
+                    for _ in range(2 if mode == "all" else 1):  # adaptive row's policy learns); the second is timed
+                        sync(engine.device)
+                        t0 = time.perf_counter()
+                        reqs = [r for i in range(0, len(batch), group)
+                                for r in engine.generate(batch[i:i + group], params, spec)]
+                        sync(engine.device)
+                        runs.append(time.perf_counter() - t0)
+                    measured.setdefault(row_key, []).append((runs, reqs, engine.spec_policy))
             for method, k, adaptive, temperature in methods:
-                spec, params = SpecParams(method, k), sampled if temperature else greedy
-                engine.set_spec_policy(Counting(caps=(0, 1, max(1, k // 2))) if adaptive else None)
-                runs = []  # "all" runs twice: the first captures the draft graphs of its batch buckets (and an
-                for _ in range(2 if mode == "all" else 1):  # adaptive row's policy learns); the second is timed
-                    sync(engine.device)
-                    t0 = time.perf_counter()
-                    reqs = [r for i in range(0, len(batch), group)
-                            for r in engine.generate(batch[i:i + group], params, spec)]
-                    sync(engine.device)
-                    runs.append(time.perf_counter() - t0)
-                seconds = runs[-1]
+                reps = measured[(method, k, adaptive, temperature)]
+                tok_s_runs = [sum(len(r.output_ids) for r in reqs) / runs[-1] for runs, reqs, _ in reps]
+                runs, reqs, policy = reps[-1]
                 outs = [list(r.output_ids) for r in reqs]
                 tokens = sum(map(len, outs))
+                tok_s = statistics.median(tok_s_runs)
                 if method == "none":
-                    plain[(name, mode, temperature)] = (outs, tokens / seconds)
+                    plain[(name, mode, temperature)] = (outs, tok_s)
                 plain_outs, plain_tok_s = plain[(name, mode, temperature)]
                 drafts = sum(r.spec_counters.num_drafts for r in reqs)
                 acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
                 row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
                        "adaptive": adaptive, "temperature": temperature,
                        "first_run_seconds": runs[0] if len(runs) > 1 else None,
-                       "policy": engine.spec_policy.snapshot() if engine.spec_policy is not None else None,
-                       "policy_choices": engine.spec_policy.choices if engine.spec_policy is not None else None,
-                       "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                       "policy": policy.snapshot() if policy is not None else None,
+                       "policy_choices": policy.choices if policy is not None else None,
+                       "output_tokens": tokens, "seconds": runs[-1], "tok_s": tok_s, "tok_s_runs": tok_s_runs,
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                        "identical_to_plain": sum(a == b for a, b in zip(outs, plain_outs)) / max(len(outs), 1),
-                       "speedup_vs_plain": tokens / seconds / plain_tok_s}
+                       "speedup_vs_plain": tok_s / plain_tok_s,
+                       "speedup_vs_plain_runs": [t / plain_tok_s for t in tok_s_runs]}
                 results["rows"].append(row)
+                spread = f" ({min(tok_s_runs):.0f}-{max(tok_s_runs):.0f})" if len(tok_s_runs) > 1 else ""
                 print(f"{name:9s} {mode:3s} T={temperature:.1f} {method:6s} k={k}{'a' if adaptive else ' '}: "
-                      f"{row['tok_s']:8.0f} tok/s "
+                      f"{row['tok_s']:8.0f} tok/s{spread} "
                       f"x{row['speedup_vs_plain']:.2f} AL {row['mean_acceptance_length'] or 1:.2f} "
                       f"same {row['identical_to_plain']:.2f}", flush=True)
                 OUT.mkdir(parents=True, exist_ok=True)
@@ -633,6 +646,9 @@ def main() -> int:
     ap.add_argument("--c1-prompts", type=int, default=12, help="speed: prompts per set run one at a time")
     ap.add_argument("--c8-prompts", type=int, default=32, help="speed: prompts per set run eight at a time")
     ap.add_argument("--modes", default="c1,c8,all", help="speed: which of c1, c8, all to run")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="speed: timed runs of every row, the rows of a set and mode interleaved; a row reports the "
+                         "median tokens/s (tok_s_runs: each run's), an adaptive row a fresh policy each run")
     args = ap.parse_args()
     {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),

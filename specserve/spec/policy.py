@@ -8,25 +8,24 @@ next to the target's (on CPU, or for a tiny target, a draft step costs nearly a 
 speculation off above one fixed batch size.
 
 ``SpecPolicy`` learns instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the goodput, committed
-tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0 = no drafts,
-1, and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: what an arm's last
-``window`` measured steps were worth in tokens over their time, leaving out steps that took more than ``OUTLIER``
-times the median step (a one-off cost, below). A step's worth is not the tokens it happened to commit: a
-speculating request commits 1 to k + 1 tokens a step, so a few steps' tokens are noise. Its requests' draft
-lengths are priced by an ``AcceptanceModel`` that learns the per-position acceptance rates from the verify
-outcomes of every drafting step (whichever its arm and bucket). Times are steady from step to step, so a short
-window measures an arm's cost well, and its worth follows the live acceptance. It picks the best arm of the bucket
-and probes each other arm now and then, so that a change in traffic or load is seen: ``probe_every`` decisions after
-its last probe, an interval that doubles with each probe that does not find it better than the best arm (so a
-losing arm costs ever less, a tied one too: every switch to or from cap 0 costs a catch-up step that no arm is
-credited with; on the H200 with SmolLM2 and the trained head at batch 8 on MT-Bench, "no cap" and cap 0
-within 1% of each other, a switch every ~18 steps, probes and catch-ups, held the policy to 0.82x of plain
-decoding, stop 28) and resets when one finds it better; that verdict
-comes from the probe's own steps, so a probe that finds a losing arm improved has it probed again soon, and
-those probes replace its stale steps. The first bucket tries every
-arm (the largest first: a cold engine speculates as configured); a later bucket starts on the best arm of the nearest
-measured bucket and tries the others ``probe_every`` decisions later, since a batch drains through neighbouring
-buckets as requests finish and the best arm rarely differs between them.
+tokens per second of step time, of a few caps on the draft length ("arms": no cap, and the engine's 0 = no drafts, 1,
+and half the server's ``num_spec_tokens``), measured on the engine's pure decode steps: what an arm's last ``window``
+measured steps were worth in tokens over their time, leaving out steps that took more than ``OUTLIER`` times the
+median step (a one-off cost, below). A step's worth is not the tokens it happened to commit: a speculating request
+commits 1 to k + 1 tokens a step, so a few steps' tokens are noise. Its requests' draft lengths are priced by an
+``AcceptanceModel`` that learns the per-position acceptance rates from the verify outcomes of every drafting step
+(whichever its arm and bucket). Times are steady from step to step, so a short window measures an arm's cost well, and
+its worth follows the live acceptance. It picks the best arm of the bucket and probes each other arm now and then, so
+that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval that doubles
+with each probe that does not find it better than the best arm (so a losing arm costs ever less, a tied one too: every
+switch to or from cap 0 costs a catch-up step that no arm is credited with; on the H200 with SmolLM2 and the trained
+head at batch 8 on MT-Bench, "no cap" and cap 0 within 1% of each other, a switch every ~18 steps, probes and
+catch-ups, held the policy to 0.82x of plain decoding, stop 28) and resets when one finds it better; that verdict
+comes from the probe's own steps, so a probe that finds a losing arm improved has it probed again soon, and those
+probes replace its stale steps. A new bucket tries every arm at once: the first bucket of all the largest first (a
+cold engine speculates as configured), a later one from the best arm of the nearest measured bucket (``_try_order``: a
+batch draining as requests finish lives in a small bucket for a few dozen steps, too briefly to wait for probes, and
+its best arm often differs from its neighbour's).
 
 A try or probe keeps its arm for ``probe_steps`` decisions in a row, and an arm's goodput leaves out one-off step
 times, because what the engine measures right after a switch is not what the arm yields: the step after drafting
@@ -136,19 +135,32 @@ class Step:
     tokens: int
     drafted: tuple[int, ...] = ()
 
-    def worth(self, model: AcceptanceModel) -> float:
-        return self.tokens + sum(n * model.expected(length) for length, n in enumerate(self.drafted) if n)
+
+def kept_totals(steps: list[Step]) -> tuple[int, float, list[int]]:
+    """What ``rate`` sums over ``steps`` once the slow ones are left out: (exact tokens, seconds, drafted[L]
+    summed). It does not depend on the acceptance model, so an arm caches it until its next step."""
+    typical = statistics.median(s.seconds for s in steps)
+    tokens, seconds, drafted = 0, 0.0, [0] * max(len(s.drafted) for s in steps)
+    for s in steps:
+        if s.seconds <= OUTLIER * typical:
+            tokens += s.tokens
+            seconds += s.seconds
+            for length, n in enumerate(s.drafted):
+                drafted[length] += n
+    return tokens, seconds, drafted
+
+
+def priced(totals: tuple[int, float, list[int]], model: AcceptanceModel) -> float:
+    """Tokens per second of ``kept_totals``, the drafting requests' tokens priced by ``model``."""
+    tokens, seconds, drafted = totals
+    return (tokens + sum(n * model.expected(length) for length, n in enumerate(drafted) if n)) / seconds
 
 
 def rate(steps: list[Step], model: AcceptanceModel) -> float | None:
     """Tokens per second over ``steps``, those over OUTLIER x the median step time left out (None: no steps).
     Example (no outcomes, so exact tokens): steps (1.0 s, 1 token), (1.0, 4), (1.1, 4), (9.0, 4) -> median 1.05
     s, the 9 s step left out, 9 tokens / 3.1 s."""
-    if not steps:
-        return None
-    typical = statistics.median(s.seconds for s in steps)
-    kept = [s for s in steps if s.seconds <= OUTLIER * typical]
-    return sum(s.worth(model) for s in kept) / sum(s.seconds for s in kept)
+    return priced(kept_totals(steps), model) if steps else None
 
 
 @dataclass
@@ -161,6 +173,7 @@ class ArmStats:
     probe_from: int = 0  # ``recorded`` when its latest probe began
     probe_began: int = 0  # the decision its latest probe began at
     _cache: tuple[int, int, float | None] = (-1, -1, None)  # (recorded, model version, goodput)
+    _totals: tuple[int, float, list[int]] = (0, 0.0, [])  # kept_totals of the window at _cache's ``recorded``
 
     def add(self, step: Step) -> None:
         self.samples.append(step)
@@ -168,11 +181,15 @@ class ArmStats:
 
     @property
     def goodput(self) -> float | None:
-        """``rate`` over its window (None: never measured); cached until a step or an outcome arrives (read on
-        every decision)."""
+        """``rate`` over its window (None: never measured), read on every decision: the window's totals are
+        summed again only after a new step, and priced again only after new outcomes (a few multiplications)."""
+        if not self.samples:
+            return None
         recorded, version, value = self._cache
+        if recorded != self.recorded:
+            self._totals = kept_totals(list(self.samples))
         if recorded != self.recorded or version != self.model.version:
-            value = rate(list(self.samples), self.model)
+            value = priced(self._totals, self.model)
             self._cache = (self.recorded, self.model.version, value)
         return value
 
@@ -194,13 +211,13 @@ class SpecPolicy:
                 or not 1 <= probe_steps < probe_every:
             raise ValueError("spec policy: caps must be >= 0, 2 <= probe_every <= max_probe_every, window >= 1 "
                              "and 1 <= probe_steps < probe_every")
-        self.arms = (NO_CAP, *sorted(set(caps), reverse=True))  # tried in this order when a bucket is new
+        self.arms = (NO_CAP, *sorted(set(caps), reverse=True))  # the first bucket tries them in this order
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.window, self.probe_steps = window, probe_steps
         self.decisions = 0
         self.stats: dict[int, dict[int, ArmStats]] = {}  # bucket -> arm -> stats
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
-        self._priors: dict[int, int] = {}  # bucket -> the arm it started on (a neighbour's best; _arms)
+        self._order: dict[int, tuple[int, ...]] = {}  # bucket -> the order its arms are tried in (_try_order)
         self._verdicts: dict[int, int] = {}  # bucket -> the arm whose probe just ended, judged next decision
         self.acceptance = AcceptanceModel()  # prices every arm's drafting steps (all buckets share it)
 
@@ -214,24 +231,24 @@ class SpecPolicy:
         if bucket not in self.stats:
             self.stats[bucket] = {a: ArmStats(self.acceptance, deque(maxlen=self.window), interval=self.probe_every)
                                   for a in self.arms}
-            self._start_from_neighbour(bucket)
+            self._order[bucket] = self._try_order(bucket)
         return self.stats[bucket]
 
-    def _start_from_neighbour(self, bucket: int) -> None:
-        """A new bucket next to measured ones starts on the best arm of the nearest measured bucket (the smaller
-        on a tie) and tries the others ``probe_every`` decisions later, one after another, instead of trying
-        every arm at once: batch sizes drift through neighbouring buckets (a batch drains as requests finish),
-        where the best arm rarely differs, and each try of a losing arm costs ``probe_steps`` slow steps."""
+    def _try_order(self, bucket: int) -> tuple[int, ...]:
+        """The order in which a new bucket tries its arms, ``probe_steps`` decisions each, before it settles on
+        the best: the first bucket of all the largest first; a later one from the best arm of the nearest
+        measured bucket (the smaller on a tie), then the rest. Every arm is tried at once, not one neighbour's
+        best held for ``probe_every`` decisions: batch sizes drift through small buckets briefly (a batch drains
+        as requests finish), and the neighbour's best often differs there. On the H200 (SmolLM2, trained head,
+        GSM8K at concurrency 8, stop 29), buckets 2-3 and 1-1 took cap 0 from bucket 4-7, where the arms were
+        within 1%, and kept it through their 28 and 13 decisions, while "no cap" was 1.4x and 1.6x cap 0's
+        goodput there. The tries cost a few slow steps once per bucket."""
         known = [b for b, arms in self.stats.items() if b != bucket and any(s.goodput is not None
                                                                           for s in arms.values())]
         if not known:
-            return  # the first bucket: every arm is tried, the largest first
-        near = self.stats[min(known, key=lambda b: (abs(b - bucket), b))]
-        start = self._best(near)
-        self._priors[bucket] = start
-        others = [a for a in self.arms if a != start]
-        for i, arm in enumerate(others):
-            self.stats[bucket][arm].due = self.decisions + self.probe_every + i * self.probe_steps
+            return self.arms
+        start = self._best(self.stats[min(known, key=lambda b: (abs(b - bucket), b))])
+        return (start, *(a for a in self.arms if a != start))
 
     def choose(self, batch_size: int) -> int | None:
         """The cap on the next step's drafts per request: None (no cap) or an int >= 0."""
@@ -241,15 +258,14 @@ class SpecPolicy:
             self._judge(arms, self._verdicts.pop(bucket))
         arm = self._continue_probe(bucket, arms)
         if arm is None:
-            untried = [a for a in self.arms if arms[a].goodput is None]
-            trying = bool(untried) and bucket not in self._priors
-            if trying:
-                arm = untried[0]
-            else:  # the best measured arm, or while none is: the neighbour's best this bucket started on
-                best = self._best(arms) if len(untried) < len(self.arms) else self._priors[bucket]
+            untried = [a for a in self._order[bucket] if arms[a].goodput is None]
+            if untried:  # a try: this arm for probe_steps decisions
+                arm = best = untried[0]
+            else:  # the best arm, or an arm due for a probe
+                best = self._best(arms)
                 due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
                 arm = min(due, key=lambda a: arms[a].due) if due else best
-            if trying or arm != best:  # a try or a probe: this arm for probe_steps decisions
+            if untried or arm != best:  # a try or a probe: this arm for probe_steps decisions
                 self._probes[bucket] = (arm, self.probe_steps - 1)
                 arms[arm].due = self.decisions + arms[arm].interval
                 arms[arm].probe_from, arms[arm].probe_began = arms[arm].recorded, self.decisions

@@ -100,19 +100,31 @@ def test_buckets_learn_apart_and_follow_a_change() -> None:
     assert set(snap) == {"1-1", "64-127"} and snap["64-127"]["none"] > snap["64-127"]["0"]
 
 
-def test_a_new_bucket_starts_on_the_best_arm_of_its_nearest_measured_bucket() -> None:
-    """Batches drain through neighbouring buckets as requests finish: a new bucket next to a measured one starts
-    on that bucket's best arm and tries the others ``probe_every`` decisions later, one after another, where the
-    first bucket of all tries every arm at once (each try of a losing arm costs probe_steps slow steps)."""
+def test_a_new_bucket_tries_every_arm_from_the_best_of_its_nearest_measured_bucket() -> None:
+    """A new bucket next to a measured one tries its arms at once, from that bucket's best arm, and then settles on
+    its own best: the first bucket tries them largest first."""
     policy = SpecPolicy(caps=(0, 1, 2), probe_every=16, probe_steps=2)
     table = {None: 100, 2: 200, 1: 300, 0: 400}
     assert run(policy, lambda b, c: table[c], 8, 40)[:8] == [None] * 2 + [2] * 2 + [1] * 2 + [0] * 2
     drained = run(policy, lambda b, c: table[c], 5, 40)  # bucket 4-7 is new
-    assert drained[:16] == [0] * 16 and drained[16:22] == [None, None, 2, 2, 1, 1] and set(drained[22:]) == {0}
+    assert drained[:8] == [0, 0, None, None, 2, 2, 1, 1] and drained[8:].count(0) >= 26  # the rest: probes
     assert policy.snapshot()["4-7"] == {"none": 100, "2": 200, "1": 300, "0": 400}
-    flipped = {None: 400, 2: 300, 1: 200, 0: 100}  # a bucket whose best arm differs still finds it
-    late = run(policy, lambda b, c: flipped[c], 64, 120)
-    assert late[0] == 0 and late[-40:].count(None) >= 28  # the rest: probes of the losing arms
+    flipped = {None: 400, 2: 300, 1: 200, 0: 100}  # a bucket whose best arm differs finds it at once
+    late = run(policy, lambda b, c: flipped[c], 64, 60)
+    assert late[:2] == [0, 0] and late[8:].count(None) >= 46
+
+
+def test_a_short_lived_drain_bucket_finds_its_own_best_arm() -> None:
+    """The H200 case of stop 29 (SmolLM2, trained head, GSM8K at concurrency 8, batches draining 8 -> 1): in bucket
+    4-7 the arms were within 1% of each other, cap 0 ahead; in buckets 2-3 and 1-1 "no cap" was 1.4x and 1.6x cap
+    0's goodput, and each lived 28 and 13 decisions. Started on bucket 4-7's best and probing the others 32
+    decisions later, they spent all of them on cap 0; trying every arm at once, they speculate for most of them."""
+    policy = SpecPolicy(caps=(0, 1))
+    tables = {5: {None: 4700, 1: 4650, 0: 4720}, 3: {None: 3200, 1: 2500, 0: 2300},
+              1: {None: 1650, 1: 1230, 0: 1030}}
+    run(policy, lambda b, c: tables[5][c], 5, 120)
+    assert run(policy, lambda b, c: tables[3][c], 3, 28)[6:] == [None] * 22
+    assert run(policy, lambda b, c: tables[1][c], 1, 13)[6:] == [None] * 7
 
 
 def test_what_the_engine_cannot_credit_or_measures_once_does_not_mislead_it() -> None:

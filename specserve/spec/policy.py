@@ -69,38 +69,54 @@ from specserve.config import MAX_NUM_SPEC_TOKENS
 
 NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
 OUTLIER = 3.0  # a step this many times slower than the arm's median step paid a one-off cost: not counted
+PRIOR_WEIGHT = 4.0  # outcomes' worth of the long-run acceptance in the recent estimate (AcceptanceModel)
 
 
 class AcceptanceModel:
-    """How many tokens a request verifying L drafts commits on average, from the verify outcomes of the last
-    ``horizon`` or so policy decisions (``age``: each outcome's weight decays by 1 - 1/horizon per decision).
+    """How many tokens a request verifying L drafts commits on average, from the verify outcomes of recent
+    drafting steps, shrunk toward the acceptance of many more.
 
-    Per draft position i it keeps the share of drafts that reached position i (drafts 1..i-1 accepted) and were
-    accepted, alpha_i, with a weak prior (one accepted, one rejected) where outcomes are few; a request verifying
-    L drafts then commits ``expected(L)`` = 1 + alpha_1 + alpha_1 alpha_2 + ... + alpha_1...alpha_L tokens (the
-    accepted prefix plus the bonus or recovered token). Worked example: outcomes (3 drafts, 1 accepted) and
-    (3, 3) -> position 1 reached twice, accepted twice; 2: reached twice, accepted once; 3: reached once,
-    accepted once; with the prior alpha = (3/4, 2/4, 2/3), expected(3) = 1 + .75 + .375 + .25 = 2.375.
+    Per draft position i it estimates alpha_i, the share of drafts that reached position i (drafts 1..i-1
+    accepted) and were accepted; a request verifying L drafts then commits ``expected(L)`` = 1 + alpha_1 +
+    alpha_1 alpha_2 + ... + alpha_1...alpha_L tokens (the accepted prefix plus the bonus or recovered token).
+    Two tallies of (reached, accepted) per position are kept:
+
+    - the long one, over the last ``long_horizon`` or so outcomes (each outcome's weight decays by
+      1 - 1/long_horizon per later outcome), gives p_i = (accepted + 1) / (reached + 2): a weak prior (one
+      accepted, one rejected) where outcomes are few;
+    - the recent one, over the last ``horizon`` or so policy decisions (``age``: each outcome's weight decays by
+      1 - 1/horizon per decision, whether outcomes arrive or not), gives alpha_i = (accepted + W p_i) /
+      (reached + W) with W = ``PRIOR_WEIGHT`` outcomes.
+
+    Worked example, no aging yet: outcomes (3 drafts, 1 accepted) and (3, 3) -> position 1 reached twice, accepted
+    twice; 2: reached twice, accepted once; 3: reached once, accepted once. p = (3/4, 2/4, 2/3), and alpha =
+    ((2 + 3) / 6, (1 + 2) / 6, (1 + 8/3) / 5) = (5/6, 1/2, 11/15), expected(3) = 1 + .833 + .417 + .306 = 2.556.
 
     The policy prices an arm's steps with it instead of the tokens they happened to commit: a speculating step
     commits 1 to k + 1 tokens per request, so a handful of steps' tokens is noise (on the H200, the trained
     SmolLM2 head at k = 3 commits 1 to 4 per step, 2.43 on average; eight steps of it ranged from 1.6 to 3.1),
     while the outcomes of every drafting step, whichever its arm and batch, tell the same acceptance rates.
 
-    Outcomes age with decisions, not with later outcomes: while the policy holds cap 0 no outcome arrives, and
-    acceptance drifts meanwhile (answers are drafted worse at their start: on the H200, MT-Bench at batch 8,
-    k = 3 committed 12-17 tokens a step over the first 40 steps and 24-27 after 200, stop 28), so the outcomes of
-    the next probe must count for more than those of long ago. Aged by outcomes (a horizon of 512 of them), a
-    probe of "no cap" judged against its first steps' acceptance and held cap 0 while no cap was 1.3-1.6x better;
-    in simulations of such a rise (``tests/unit/test_spec_policy.py``) a run fell to 0.85x of the best arm, and
-    to at worst 0.98x aged by 128 decisions, with no loss where acceptance holds steady."""
+    Why two: while the policy holds cap 0 no outcome arrives, and acceptance drifts meanwhile (answers are drafted
+    worse at their start: on the H200, MT-Bench at batch 8, k = 3 committed 12-17 tokens a step over the first 40
+    steps and 24-27 after 200, stop 28), so the next probe's outcomes must count for more than those of long ago.
+    With one tally aged by outcomes (a horizon of 512), a probe of "no cap" was judged by its first steps'
+    acceptance and held cap 0 while no cap was 1.3-1.6x better; in simulations of such a rise
+    (``tests/unit/test_spec_policy.py``) a run fell to 0.85x of the best arm. Aging by decisions alone forgets
+    toward the 1-in-2 prior instead, and a batch-1 probe brings one or two outcomes: on the H200 (MT-Bench at
+    concurrency 1, stop 29) that policy spent 2,213 of 2,454 decisions at cap 0 and priced "no cap" at 979 tok/s
+    while a fixed k = 3 ran 1,107 (0.96x of plain against 1.06x), as a prior of expected(3) = 1.875 against a
+    measured 2.43 would. Shrunk toward the long tally, a stale recent tally falls back to the acceptance seen
+    over the long run, and a probe's outcomes move it as far as their number warrants."""
 
-    def __init__(self, horizon: int = 128, max_drafts: int = MAX_NUM_SPEC_TOKENS) -> None:
-        self.decay = 1.0 - 1.0 / horizon
-        self.reached = [0.0] * (max_drafts + 1)  # [i]: weight of outcomes whose drafts reached position i
+    def __init__(self, horizon: int = 128, long_horizon: int = 2048, max_drafts: int = MAX_NUM_SPEC_TOKENS) -> None:
+        self.decay, self.long_decay = 1.0 - 1.0 / horizon, 1.0 - 1.0 / long_horizon
+        self.reached = [0.0] * (max_drafts + 1)  # [i]: recent weight of outcomes whose drafts reached position i
         self.accepted = [0.0] * (max_drafts + 1)  # [i]: ... whose draft i was accepted
-        self._expected: list[float] | None = None  # expected(L) for every L, rebuilt after new outcomes
-        self.version = 0  # bumped by every observe (arms' cached goodputs compare it)
+        self.long_reached = [0.0] * (max_drafts + 1)  # the same, aged by outcomes over long_horizon
+        self.long_accepted = [0.0] * (max_drafts + 1)
+        self._expected: list[float] | None = None  # expected(L) for every L, rebuilt after new outcomes or aging
+        self.version = 0  # bumped by every change (arms' cached goodputs compare it)
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         """``outcomes``: (drafts verified, drafts accepted) of each request that verified drafts in one step."""
@@ -112,29 +128,37 @@ class AcceptanceModel:
         for n, a in outcomes:
             ends[min(a + 1, n, size - 1)] += 1
             hits[min(a, size - 1)] += 1
+        keep = self.long_decay ** len(outcomes)
         reached = accepted = 0
         for i in range(size - 1, 0, -1):  # suffix sums: position i is reached by every outcome ending at >= i
             reached, accepted = reached + ends[i], accepted + hits[i]
             self.reached[i] += reached
             self.accepted[i] += accepted
+            self.long_reached[i] = self.long_reached[i] * keep + reached
+            self.long_accepted[i] = self.long_accepted[i] * keep + accepted
         self._expected = None
         self.version += 1
 
     def age(self) -> None:
-        """One policy decision has passed: every outcome's weight decays by 1 - 1/horizon (skipped once the
-        weights are negligible, so a policy that never drafts does no work)."""
+        """One policy decision has passed: every outcome's recent weight decays by 1 - 1/horizon (skipped once
+        the weights are negligible, so a policy that never drafts does no work)."""
         if self.reached[1] > 1e-3:
             self.reached = [w * self.decay for w in self.reached]
             self.accepted = [w * self.decay for w in self.accepted]
             self._expected = None
             self.version += 1
 
+    def alpha(self, position: int) -> float:
+        """The estimated acceptance rate of draft ``position`` (1-based) once the drafts before it were accepted."""
+        prior = (self.long_accepted[position] + 1.0) / (self.long_reached[position] + 2.0)
+        return (self.accepted[position] + PRIOR_WEIGHT * prior) / (self.reached[position] + PRIOR_WEIGHT)
+
     def expected(self, num_drafts: int) -> float:
         """Tokens a request verifying ``num_drafts`` drafts commits on average."""
         if self._expected is None:
             table, chain = [1.0], 1.0
             for i in range(1, len(self.reached)):
-                chain *= (self.accepted[i] + 1.0) / (self.reached[i] + 2.0)
+                chain *= self.alpha(i)
                 table.append(table[-1] + chain)
             self._expected = table
         return self._expected[min(num_drafts, len(self._expected) - 1)]

@@ -215,9 +215,30 @@ def test_the_acceptance_model_prices_draft_lengths() -> None:
 
     model = AcceptanceModel()
     model.observe([(3, 1), (3, 3), (0, 0)])  # the docstring's worked example (a request without drafts: ignored)
-    assert model.expected(3) == pytest.approx(1 + 0.75 + 0.375 + 0.25)
-    assert model.expected(0) == 1.0 and model.expected(1) == pytest.approx(1.75)
+    assert [model.alpha(i) for i in (1, 2, 3)] == pytest.approx([5 / 6, 1 / 2, 11 / 15])
+    assert model.expected(3) == pytest.approx(1 + 5 / 6 + 5 / 12 + 5 / 12 * 11 / 15)
+    assert model.expected(0) == 1.0 and model.expected(1) == pytest.approx(1 + 5 / 6)
     assert AcceptanceModel().expected(2) == pytest.approx(1 + 0.5 + 0.25)  # the prior alone
+
+
+def test_a_stale_recent_estimate_falls_back_to_the_long_run_acceptance_not_the_prior() -> None:
+    """While the policy holds cap 0 no outcome arrives: the recent tally ages away, and the estimate returns to the
+    acceptance seen over the long run (0.7 here), not to the 1-in-2 prior that priced "no cap" below cap 0 on the
+    H200 (MT-Bench at concurrency 1, stop 29); a probe's outcomes then move it by their number."""
+    import random
+
+    from specserve.spec.policy import AcceptanceModel
+
+    rng, model = random.Random(0), AcceptanceModel(horizon=128)
+    for _ in range(600):
+        model.observe([outcome(rng, [0.7] * 3, 3)])
+        model.age()
+    assert model.alpha(1) == pytest.approx(0.7, abs=0.08)
+    for _ in range(2000):  # cap 0: decisions, no outcomes
+        model.age()
+    assert model.alpha(1) == pytest.approx(0.7, abs=0.05) and model.expected(3) > 2.2
+    model.observe([(3, 0)] * 8)  # a batch-8 probe that accepted nothing
+    assert model.alpha(1) < 0.3
 
 
 @settings(max_examples=25, deadline=None)

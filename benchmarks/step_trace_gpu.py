@@ -33,8 +33,9 @@ from specserve.spec.policy import SpecPolicy  # noqa: E402
 class Logged(SpecPolicy):
     """Keeps every decision and record (decision number, batch size, cap, ms, tokens) and the host time spent in
     the policy (``seconds``). ``pin`` (a cap, or "none" for no cap): every decision returns it instead of the
-    policy's choice (the engine runs its adaptive machinery, the policy learns and is timed, but what runs is a
-    fixed arm)."""
+    policy's choice (the engine runs its adaptive machinery and the policy is timed, but what runs is a fixed arm;
+    the policy's other arms are then never measured, so every decision takes its try path: its time and snapshot
+    are not a free-running policy's)."""
 
     def __init__(self, pin: int | str = "free", **kw) -> None:
         super().__init__(**kw)
@@ -53,10 +54,17 @@ class Logged(SpecPolicy):
     def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
         self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens])
         t0 = time.perf_counter()
-        super().record(batch_size, cap, seconds, tokens, outcomes)
+        self._recording = True  # record calls observe: its time is counted here, once
+        try:
+            super().record(batch_size, cap, seconds, tokens, outcomes)
+        finally:
+            self._recording = False
         self.seconds += time.perf_counter() - t0
 
     def observe(self, outcomes) -> None:
+        if getattr(self, "_recording", False):
+            super().observe(outcomes)
+            return
         t0 = time.perf_counter()
         super().observe(outcomes)
         self.seconds += time.perf_counter() - t0

@@ -512,7 +512,7 @@ def speed(args) -> None:
                                    ("all", prompts, len(prompts))):
             if mode not in args.modes.split(","):
                 continue
-            measured: dict = {}  # row -> [(seconds, requests, policy)] of each repeat, rows interleaved
+            measured: dict = {}  # row -> [(run times, requests, policy)] of each repeat, rows interleaved
             for _ in range(args.repeats):
                 for row_key in methods:
                     method, k, adaptive, temperature = row_key
@@ -535,8 +535,8 @@ def speed(args) -> None:
                 tokens = sum(map(len, outs))
                 tok_s = statistics.median(tok_s_runs)
                 if method == "none":
-                    plain[(name, mode, temperature)] = (outs, tok_s)
-                plain_outs, plain_tok_s = plain[(name, mode, temperature)]
+                    plain[(name, mode, temperature)] = (outs, tok_s, tok_s_runs)
+                plain_outs, plain_tok_s, plain_runs = plain[(name, mode, temperature)]
                 drafts = sum(r.spec_counters.num_drafts for r in reqs)
                 acc = sum(r.spec_counters.num_accepted_tokens for r in reqs)
                 row = {"set": name, "mode": mode, "num_prompts": len(batch), "method": method, "k": k,
@@ -548,7 +548,7 @@ def speed(args) -> None:
                        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                        "identical_to_plain": sum(a == b for a, b in zip(outs, plain_outs)) / max(len(outs), 1),
                        "speedup_vs_plain": tok_s / plain_tok_s,
-                       "speedup_vs_plain_runs": [t / plain_tok_s for t in tok_s_runs]}
+                       "speedup_vs_plain_runs": [t / p for t, p in zip(tok_s_runs, plain_runs)]}
                 results["rows"].append(row)
                 spread = f" ({min(tok_s_runs):.0f}-{max(tok_s_runs):.0f})" if len(tok_s_runs) > 1 else ""
                 print(f"{name:9s} {mode:3s} T={temperature:.1f} {method:6s} k={k}{'a' if adaptive else ' '}: "
@@ -648,8 +648,12 @@ def main() -> int:
     ap.add_argument("--modes", default="c1,c8,all", help="speed: which of c1, c8, all to run")
     ap.add_argument("--repeats", type=int, default=1,
                     help="speed: timed runs of every row, the rows of a set and mode interleaved; a row reports the "
-                         "median tokens/s (tok_s_runs: each run's), an adaptive row a fresh policy each run")
+                         "median tokens/s (tok_s_runs: each run's; speedup_vs_plain_runs: run i against plain's run "
+                         "i), an adaptive row a fresh policy each run; seconds, tokens, AL and outputs are the last "
+                         "run's")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     {"split": lambda: split(args.part_mb, args.data_dir), "stage": lambda: stage(),
      "generate": lambda: generate(args), "train": lambda: train(args),
      "eval": lambda: evaluate(args), "speed": lambda: speed(args),

@@ -345,7 +345,10 @@ class ChainGraphRunner:
         computed: list[int],  # [num_rows] head entries cached before the ingest
         tables: list[list[int]],  # [num_rows][blocks] head block tables, query_len + steps positions reserved
         steps: int,
-    ) -> list[list[int]]:  # [num_rows][1 + steps] drafts 1 .. steps + 1
+        read: bool = True,
+    ) -> list[list[int]]:  # [num_rows][1 + steps] drafts 1 .. steps + 1; [] when not ``read``
+        """One static ingest (and ``steps`` chain steps) over the packed queues. With ``read`` False nothing is read
+        back (no host sync): a catch-up that drafts nothing, enqueued behind a step still in flight."""
         n = len(query_lens)
         bucket = bucket_for(self.buckets, n)
         q = self._ingest_len(query_lens)
@@ -366,4 +369,4 @@ class ChainGraphRunner:
             self.num_replays += 1
         else:
             forward()
-        return self.ingest_drafts[:1 + steps, :n].t().tolist()
+        return self.ingest_drafts[:1 + steps, :n].t().tolist() if read else []

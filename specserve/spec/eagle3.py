@@ -63,6 +63,29 @@ class Eagle3Proposer:
         self.kv.free(request_id)
         self.pending.pop(request_id, None)
 
+    @torch.inference_mode()
+    def catch_up(self) -> int:
+        """Ingest every queued entry whose next token is committed, drafting nothing and reading nothing back, so
+        that it can run behind a decode step still in flight; the rest stay queued. Returns the most entries left
+        queued for one request. Worked example: a request with 9 prompt tokens and 6 committed output tokens
+        (15 known), one more pending, queued entries at positions 9..14 (the last from the step in flight): entry
+        p pairs with token p + 1, known up to 14, so positions 9..13 are ingested and 14 stays (returns 1)."""
+        held: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
+        for rid, (req, parts) in list(self.pending.items()):
+            start = parts[0][0]
+            rows = torch.cat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
+            ready = max(0, min(rows.shape[0], req.num_committed_tokens - 1 - start))
+            if ready < rows.shape[0]:
+                held[rid] = (req, [(start + ready, rows[ready:])])
+                if ready:
+                    self.pending[rid] = (req, [(start, rows[:ready])])
+                else:
+                    del self.pending[rid]
+        if self.pending:
+            self.propose([], [])  # the ingest alone: no request drafts, so nothing is read back
+        self.pending.update(held)
+        return max((rows.shape[0] for _, parts in held.values() for _, rows in parts), default=0)
+
     # ---- drafting ------------------------------------------------------------------------------
     def _ingest_inputs(self, extra_slots: dict[str, int]):
         """Packed inputs for every queued entry, plus ``extra_slots[rid]`` P-EAGLE mask slots after a request's
@@ -146,7 +169,7 @@ class Eagle3Proposer:
         for rid, n in zip(rids, query_lens):
             tables.append(self.kv.reserve([rid], n + steps)[1][0])
         drafts = dict(zip(rids, self.chain.run_ingest(input_ids, torch.cat(feats) if len(feats) > 1 else feats[0],
-                                                      query_lens, computed, tables, steps)))
+                                                      query_lens, computed, tables, steps, read=bool(requests))))
         for rid, c, n in zip(rids, computed, query_lens):  # every chain row ran, drafting or not (a prompt
             self.kv.truncate(rid, c + n)  # chunk's request too): back to the real entries
         return [Draft(drafts[r.request_id][:n]) for r, n in zip(requests, num_spec_tokens)]

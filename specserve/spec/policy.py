@@ -79,7 +79,8 @@ class AcceptanceModel:
     Per draft position i it estimates alpha_i, the share of drafts that reached position i (drafts 1..i-1
     accepted) and were accepted; a request verifying L drafts then commits ``expected(L)`` = 1 + alpha_1 +
     alpha_1 alpha_2 + ... + alpha_1...alpha_L tokens (the accepted prefix plus the bonus or recovered token).
-    Two tallies of (reached, accepted) per position are kept:
+    Two tallies of (reached, accepted) per position are kept (at batches of 16 and more the "long" one holds fewer
+    outcomes than the recent one, whose weight then dwarfs the prior's anyway):
 
     - the long one, over the last ``long_horizon`` or so outcomes (each outcome's weight decays by
       1 - 1/long_horizon per later outcome), gives p_i = (accepted + 1) / (reached + 2): a weak prior (one
@@ -213,7 +214,7 @@ class ArmStats:
     probe_from: int = 0  # ``recorded`` when its latest probe began
     probe_began: int = 0  # the decision its latest probe began at
     _cache: tuple[int, int, float | None] = (-1, -1, None)  # (recorded, model version, goodput)
-    _totals: tuple[int, float, list[int]] = (0, 0.0, [])  # kept_totals of the window at _cache's ``recorded``
+    _totals: tuple[int, float, list[int]] | None = None  # kept_totals of the window at _cache's ``recorded``
 
     def add(self, step: Step) -> None:
         self.samples.append(step)
@@ -222,7 +223,8 @@ class ArmStats:
     @property
     def goodput(self) -> float | None:
         """``rate`` over its window (None: never measured), read on every decision: the window's totals are
-        summed again only after a new step, and priced again only after new outcomes (a few multiplications)."""
+        summed again only after a new step, and priced again (a few multiplications) after new outcomes or the
+        acceptance model's aging, that is on most decisions."""
         if not self.samples:
             return None
         recorded, version, value = self._cache
@@ -300,13 +302,17 @@ class SpecPolicy:
         arm = self._continue_probe(bucket, arms)
         if arm is None:
             untried = [a for a in self._order[bucket] if arms[a].goodput is None]
-            if untried:  # a try: this arm for probe_steps decisions
-                arm = best = untried[0]
+            # an unmeasured arm is tried; a try the engine credited nothing is repeated when its interval is up
+            trying = [a for a in untried if arms[a].due <= self.decisions]
+            if trying:
+                arm = best = trying[0]
+            elif len(untried) == len(self.arms):  # nothing measured yet, no try due: the first arm, held
+                arm = best = self._order[bucket][0]
             else:  # the best arm, or an arm due for a probe
                 best = self._best(arms)
                 due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
                 arm = min(due, key=lambda a: arms[a].due) if due else best
-            if untried or arm != best:  # a try or a probe: this arm for probe_steps decisions
+            if trying or arm != best:  # a try or a probe: this arm for probe_steps decisions
                 self._probes[bucket] = (arm, self.probe_steps - 1)
                 arms[arm].due = self.decisions + arms[arm].interval
                 arms[arm].probe_from, arms[arm].probe_began = arms[arm].recorded, self.decisions

@@ -310,7 +310,7 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
     runs, ingests = [], []
     inner, inner_ingest = proposer.chain.run, proposer.chain.run_ingest
     proposer.chain.run = lambda *a: runs.append(len(a[0])) or inner(*a)
-    proposer.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner_ingest(*a)
+    proposer.chain.run_ingest = lambda *a, **kw: ingests.append(tuple(a[2])) or inner_ingest(*a, **kw)
     drafts = record_drafts(proposer)
     ks = [SpecParams("eagle3", k) for k in (4, 2, 7, 1)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 12, 30, 30)]
@@ -332,9 +332,11 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
 @pytest.mark.parametrize("async_steps", [False, True])
 def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: bool) -> None:
     """At the adaptive policy's cap 0 the drafters skip LAZY_DRAFT_STEPS steps, then catch up on every entry
-    queued meanwhile: one static ingest with no chain steps (``run_ingest`` steps 0, the queue of LAZY_DRAFT_STEPS
-    + 1 entries padded to INGEST_MAX_ENTRIES: one graph replay on a GPU, not an eager ingest); when drafting
-    resumes the drafts are exactly the from-scratch reference's, and the output is plain greedy's."""
+    queued meanwhile: one static ingest with no chain steps (``run_ingest`` steps 0, nothing read back), in a
+    synchronous step the queue of LAZY_DRAFT_STEPS + 1 entries padded to INGEST_MAX_ENTRIES (one graph replay on a
+    GPU, not an eager ingest), with overlapped steps the LAZY_DRAFT_STEPS - 1 entries whose next tokens are
+    committed, behind the step in flight (``Eagle3Proposer.catch_up``); when drafting resumes the drafts are
+    exactly the from-scratch reference's, and the output is plain greedy's."""
     from specserve.engine.engine import LAZY_DRAFT_STEPS
     from tests.unit.test_spec_engine import assert_clean
     from tests.unit.test_spec_policy import Alternating
@@ -347,13 +349,15 @@ def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: boo
     engine.set_spec_policy(Alternating(2 * LAZY_DRAFT_STEPS + 4))
     ingests = []
     inner = proposer.chain.run_ingest
-    proposer.chain.run_ingest = lambda *a: ingests.append((tuple(a[2]), a[5])) or inner(*a)
+    proposer.chain.run_ingest = lambda *a, **kw: ingests.append((tuple(a[2]), a[5], kw.get("read", True))) \
+        or inner(*a, **kw)
     drafts = record_drafts(proposer)
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     ps = prompts([5, 9, 3])
     reqs = engine.generate(ps, params)
-    catch_ups = [q for q, steps in ingests if steps == 0]
-    assert catch_ups and max(map(max, catch_ups)) == LAZY_DRAFT_STEPS + 1 <= INGEST_MAX_ENTRIES
+    catch_ups = [q for q, steps, read in ingests if steps == 0 and not read]
+    longest = LAZY_DRAFT_STEPS - 1 if async_steps else LAZY_DRAFT_STEPS + 1
+    assert catch_ups and max(map(max, catch_ups)) == longest and LAZY_DRAFT_STEPS + 1 <= INGEST_MAX_ENTRIES
     assert len(drafts) > 20
     for tokens, k, draft in drafts:
         assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
@@ -390,7 +394,7 @@ def test_static_ingest_pads_queues_of_different_lengths_like_the_eager_ingest() 
     static.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=7, max_positions=600, capture=False)
     ingests = []
     inner = static.chain.run_ingest
-    static.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner(*a)
+    static.chain.run_ingest = lambda *a, **kw: ingests.append(tuple(a[2])) or inner(*a, **kw)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, tiny_config().vocab_size, (3, 40), generator=gen).tolist()
     reqs = {name: [Request(f"r{i}", list(tokens[i][:n]), GREEDY) for i, n in enumerate((7, 3, 2))]

@@ -301,15 +301,16 @@ def simulated_goodput(seed: int, alpha, decisions: int = 600, batch: int = 8) ->
 def test_acceptance_that_rises_after_the_first_probes_is_seen() -> None:
     """Answers are drafted worse at their start (H200, MT-Bench at batch 8, stop 28: k = 3 committed 12-17 tokens a
     step over the first 40 steps, 24-27 after 200). Acceptance rising from 0.45 to 0.75 over 200 decisions, or at
-    once at decision 100 (just after a probe of no cap found it losing): with outcomes aged by later outcomes the
-    policy priced its probes with the early acceptance and held cap 0 for 130 decisions, down to 0.85x of the best
-    fixed arm; aged by decisions it stays within 5% in every run. Where acceptance holds steady (no cap best,
-    cap 0 best, a near tie), aging costs nothing."""
+    once at decision 100 (just after a probe of no cap found it losing), 40 runs each: with outcomes aged by later
+    outcomes (stop 28's model) the policy priced its probes with the early acceptance and held cap 0, 13 of the 40
+    step runs below 0.95x of the best fixed arm (mean 0.949, worst 0.844); aged by decisions and shrunk toward the
+    long-run rates, none (mean 0.991) and one ramp run (0.883; mean 1.002). Where acceptance holds steady (no cap
+    best, cap 0 best, a near tie), nothing is lost."""
     scenarios = {"ramp": lambda d: 0.45 + 0.3 * min(d, 200) / 200, "step": lambda d: 0.45 if d < 100 else 0.75,
                  "high": lambda d: 0.72, "low": lambda d: 0.4, "tie": lambda d: 0.56}
     for name, alpha in scenarios.items():
-        shares = [got / best for got, best in (simulated_goodput(seed, alpha) for seed in range(6))]
-        assert min(shares) >= 0.95, (name, shares)
+        shares = [got / best for got, best in (simulated_goodput(seed, alpha) for seed in range(40))]
+        assert sum(shares) / len(shares) >= 0.97 and sum(x < 0.95 for x in shares) <= 2, (name, sorted(shares)[:5])
 
 
 def test_a_speculating_arm_is_judged_by_its_acceptance_not_its_last_few_steps_tokens() -> None:
@@ -555,16 +556,18 @@ def test_drafters_catch_up_after_steps_without_drafts(plain, method: str) -> Non
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_cap_zero_steps_overlap_like_plain_decode(plain, method: str) -> None:
-    """With asynchronous decode steps on, speculating requests held at cap 0 decode in overlapped steps too
-    (their drafters are shown each launched step's features, up to LAZY_DRAFT_STEPS steps, then a synchronous
-    step catches them up); when the cap lifts, drafting resumes exactly where a drafter that never paused
-    would be. Output is plain greedy's, nothing leaks, and the overlapped steps' goodput reaches the policy."""
+    """With asynchronous decode steps on, speculating requests held at cap 0 decode in overlapped steps too, as
+    many as plain decoding's (their drafters are shown each launched step's features; every LAZY_DRAFT_STEPS
+    steps an EAGLE drafter catches up behind the step in flight, where a synchronous step used to end the run);
+    when the cap lifts, drafting resumes exactly where a drafter that never paused would be. Output is plain
+    greedy's, nothing leaks, and the overlapped steps' goodput reaches the policy."""
     from tests.unit.test_async_scheduling import run as run_async
 
     ps = prompts(LENGTHS)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     reference = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3))
     want = [r.output_ids for r in reference.generate(ps, params)]
+    _, plain_steps = run_async(tiny_engine(), ps, [params] * len(ps), async_on=True)
     for stub in (FixedCap(0), Alternating(3)):
         engine = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3,
                                              adaptive=True))
@@ -573,6 +576,8 @@ def test_cap_zero_steps_overlap_like_plain_decode(plain, method: str) -> None:
         assert [finished[f"r{i}"][0] for i in range(len(ps))] == want
         assert [o[:24] for o in want] == [plain[tuple(p)] for p in ps]
         assert device_steps > 0, "no overlapped step ran"
+        if type(stub) is FixedCap:  # held at cap 0 throughout (Alternating is a FixedCap too)
+            assert device_steps == plain_steps, (device_steps, plain_steps)
         assert any(rec[1] == 0 and rec[2] > 0 for rec in stub.records)
         for proposer in engine.proposers.values():
             assert not getattr(proposer, "pending", {}), "queued features left behind"

@@ -122,7 +122,7 @@ def test_static_draft_chain_drafts_what_the_eager_loop_drafts_on_smollm2(parts, 
     proposer.use_chain_graphs((1, 2, 4), 16, 7, 1024 + 8, capture=False)
     ingests = []
     inner = proposer.chain.run_ingest
-    proposer.chain.run_ingest = lambda *a: ingests.append(tuple(a[2])) or inner(*a)
+    proposer.chain.run_ingest = lambda *a, **kw: ingests.append(tuple(a[2])) or inner(*a, **kw)
     reqs = static.generate(prompt_ids, GREEDY)
     assert [r.output_ids for r in reqs] == plain
     assert any(len(set(q)) > 1 for q in ingests), "padded ingests ran"

@@ -41,6 +41,7 @@ class Logged(SpecPolicy):
         super().__init__(**kw)
         self.log: list = []
         self.pin, self.seconds = pin, 0.0
+        self._recording = False  # inside record, whose own timing covers the observe it calls
 
     def choose(self, batch_size: int) -> int | None:
         t0 = time.perf_counter()
@@ -54,7 +55,7 @@ class Logged(SpecPolicy):
     def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
         self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens])
         t0 = time.perf_counter()
-        self._recording = True  # record calls observe: its time is counted here, once
+        self._recording = True
         try:
             super().record(batch_size, cap, seconds, tokens, outcomes)
         finally:
@@ -62,7 +63,7 @@ class Logged(SpecPolicy):
         self.seconds += time.perf_counter() - t0
 
     def observe(self, outcomes) -> None:
-        if getattr(self, "_recording", False):
+        if self._recording:
             super().observe(outcomes)
             return
         t0 = time.perf_counter()

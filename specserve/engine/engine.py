@@ -443,7 +443,7 @@ class LLMEngine:
                 outputs.append(self._commit(req, [tok]))
         num_emitted = sum(len(o.new_token_ids) for o in outputs)
         if self._in_flight is not None and self._lazy_draft_steps >= LAZY_DRAFT_STEPS:
-            self._catch_up_behind(self._in_flight)
+            self._catch_up_behind()
         if self.spec_policy is not None and previous_commit is not None and any(
                 s.request.spec.enabled for s in step.sched.scheduled):
             # a cap-0 step of a run of overlapped steps: one step's time is the time between two commits
@@ -451,9 +451,9 @@ class LLMEngine:
         self._record_step(step.sched, num_emitted, {}, {}, step.num_prompt_tokens)
         return outputs
 
-    def _catch_up_behind(self, in_flight: InFlightStep) -> None:
+    def _catch_up_behind(self) -> None:
         """At cap 0, once the drafters hold LAZY_DRAFT_STEPS steps' entries: catch them up on every entry whose
-        next token is now committed, enqueued behind ``in_flight`` (whose own entries stay queued), instead of
+        next token is now committed, enqueued behind the step in flight (whose own entries stay queued), instead of
         ending the run of overlapped steps with a synchronous step that does it. Proposers without ``catch_up``
         (n-gram, draft model) queue nothing: for them the run no longer ends at all. The catch-up's time falls
         between two commits, so cap 0's measured steps pay for it. Stop 29 on the H200 (SmolLM2, GSM8K at
@@ -466,7 +466,7 @@ class LLMEngine:
             catch_up = getattr(proposer, "catch_up", None)
             if catch_up is not None:
                 left = max(left, catch_up())
-        self._lazy_draft_steps = left if any(s.request.spec.enabled for s in in_flight.sched.scheduled) else 0
+        self._lazy_draft_steps = left  # the in-flight step's entries (only its requests have uncommitted ones)
 
     def _draft(self, chunks: list[VerifiedChunk], aux_hidden: dict[int, torch.Tensor]) -> None:
         """Show each proposer what its requests verified this step, then let it draft for those now decoding

@@ -72,10 +72,10 @@ class Eagle3Proposer:
         p pairs with token p + 1, known up to 14, so positions 9..13 are ingested and 14 stays (returns 1)."""
         held: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
         for rid, (req, parts) in list(self.pending.items()):
-            start = parts[0][0]
-            rows = torch.cat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
-            ready = max(0, min(rows.shape[0], req.num_committed_tokens - 1 - start))
-            if ready < rows.shape[0]:
+            start, queued = parts[0][0], sum(r.shape[0] for _, r in parts)
+            ready = max(0, min(queued, req.num_committed_tokens - 1 - start))
+            if ready < queued:  # split the queue (a fully ready one goes to the ingest as it is)
+                rows = torch.cat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
                 held[rid] = (req, [(start + ready, rows[ready:])])
                 if ready:
                     self.pending[rid] = (req, [(start, rows[:ready])])

@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.config import CudaGraphConfig
@@ -99,14 +100,23 @@ class StagingBuffer:
 
     def load(self, values: list[int]) -> None:
         """``device[:len(values)] = values``, asynchronously on CUDA."""
+        self.host_view(len(values))[:] = values
+        self.send(len(values))
+
+    def host_view(self, n: int) -> np.ndarray:
+        """A writable int64 view [n] of the values the next ``send(n)`` copies, for callers that fill them with
+        numpy in place (no Python list of every value). On CUDA it first waits until the previous send's copy has
+        read the pinned buffer; elsewhere it is the device buffer itself (``send`` then has nothing to do)."""
         if self.host is None:
-            self.device[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
-            return
-        self._copied.synchronize()  # the previous load's copy has read the pinned buffer
-        host = self.host[:len(values)]
-        host.numpy()[:] = values
-        self.device[:len(values)].copy_(host, non_blocking=True)
-        self._copied.record()
+            return self.device[:n].numpy()
+        self._copied.synchronize()
+        return self.host[:n].numpy()
+
+    def send(self, n: int) -> None:
+        """``device[:n] = host[:n]``: one asynchronous copy on CUDA, after ``host_view(n)`` was filled."""
+        if self.host is not None:
+            self.device[:n].copy_(self.host[:n], non_blocking=True)
+            self._copied.record()
 
 
 def capture_graph(forward: Callable[[], None], pool, device: torch.device) -> torch.cuda.CUDAGraph:

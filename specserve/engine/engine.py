@@ -73,9 +73,10 @@ class InFlightStep:
     num_prompt_tokens: int  # prompt tokens this step computed (a last prompt chunk of one token), for metrics
 
 
-# At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since:
-# with the synchronous step's own token, a queue that an EAGLE ingest graph takes in one replay (at 16 steps the
-# 17-entry catch-up ran eagerly).
+# At draft cap 0, drafters skip at most this many steps in a row before catching up on the tokens verified since,
+# unless every drafter says it may skip more (``lazy_steps``: an EAGLE-3 drafter with catch-up graphs of several
+# passes): with the synchronous step's own token, a queue that an EAGLE ingest graph takes in one replay (at 16
+# steps the 17-entry catch-up ran eagerly).
 LAZY_DRAFT_STEPS = INGEST_MAX_ENTRIES - 1
 
 
@@ -349,7 +350,15 @@ class LLMEngine:
         """The policy's cap is 0, it has not chosen another for the next step, and the drafters may wait one more
         step before catching up."""
         return (self.spec_policy is not None and self._spec_decided and self._spec_cap == 0
-                and self._cap_ahead is None and self._lazy_draft_steps < LAZY_DRAFT_STEPS)
+                and self._cap_ahead is None and self._lazy_draft_steps < self._lazy_limit())
+
+    def _lazy_limit(self) -> int:
+        """Steps in a row the drafters may sit out at cap 0: the fewest any of them allows at this batch size
+        (``lazy_steps``), LAZY_DRAFT_STEPS for drafters that do not say. Stop 30: an EAGLE-3 drafter with catch-up
+        graphs allows 63 at batch 8 (buckets up to 64), so it catches up a quarter as often as at 15."""
+        limits = [f(self.num_running) for p in self.proposers.values()
+                  if (f := getattr(p, "lazy_steps", None)) is not None]
+        return min(limits, default=LAZY_DRAFT_STEPS)
 
     def _cap_zero_continues(self) -> bool:
         """Before another overlapped step of speculating requests held at cap 0 is launched, the policy decides
@@ -442,7 +451,7 @@ class LLMEngine:
             if not req.finished:
                 outputs.append(self._commit(req, [tok]))
         num_emitted = sum(len(o.new_token_ids) for o in outputs)
-        if self._in_flight is not None and self._lazy_draft_steps >= LAZY_DRAFT_STEPS:
+        if self._in_flight is not None and self._lazy_draft_steps >= self._lazy_limit():
             self._catch_up_behind()
         if self.spec_policy is not None and previous_commit is not None and any(
                 s.request.spec.enabled for s in step.sched.scheduled):
@@ -452,7 +461,7 @@ class LLMEngine:
         return outputs
 
     def _catch_up_behind(self) -> None:
-        """At cap 0, once the drafters hold LAZY_DRAFT_STEPS steps' entries: catch them up on every entry whose
+        """At cap 0, once the drafters hold ``_lazy_limit()`` steps' entries: catch them up on every entry whose
         next token is now committed, enqueued behind the step in flight (whose own entries stay queued), instead of
         ending the run of overlapped steps with a synchronous step that does it. Proposers without ``catch_up``
         (n-gram, draft model) queue nothing: for them the run no longer ends at all. The catch-up's time falls
@@ -460,7 +469,8 @@ class LLMEngine:
         concurrency 8, the policy pinned to cap 0): 0.93x of plain decoding with the synchronous catch-up, 0.92x
         with this one (``benchmarks/results/step_trace_gsm8k_c8_pinned_gpu.json``, ``_overlap_gpu.json``): the
         lost overlap was not what cost. The catch-up itself is, about 1.2 ms every 14 steps at batch 8, most of it
-        host work (Python building the ingest of 8 x 14 entries), next to 1 ms steps."""
+        host work (Python building the ingest of 8 x 14 entries), next to 1 ms steps. Since stop 30 the ingest is
+        staged with numpy and an EAGLE-3 drafter catches up 63 steps at a time at batch 8 (``lazy_steps``)."""
         left = 0
         for proposer in self.proposers.values():
             catch_up = getattr(proposer, "catch_up", None)
@@ -482,10 +492,10 @@ class LLMEngine:
         if self.spec_policy is not None and any(requests for _, requests, _ in wanted):
             cap = ahead[0] if ahead is not None else self.spec_policy.choose(self.num_running)
             self._spec_cap, self._spec_decided = cap, True
-            if self._spec_cap == 0 and single and self._lazy_draft_steps < LAZY_DRAFT_STEPS:
+            if self._spec_cap == 0 and single and self._lazy_draft_steps < self._lazy_limit():
                 # Nobody drafts: the drafters catch up on these tokens at a later step, in one pass over
                 # several steps' tokens (a head's layer costs about as much for 16 rows as for 1), bounded so
-                # that the queued target features stay few (at most LAZY_DRAFT_STEPS rows per request).
+                # that the queued target features stay few (at most ``_lazy_limit()`` rows per request).
                 self._lazy_draft_steps += 1
                 self._caught_up = False
                 return

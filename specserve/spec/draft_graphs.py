@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from specserve.engine.cuda_graphs import StagingBuffer, bucket_for, bucket_sizes, capture_graph
@@ -47,6 +48,9 @@ from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
 # ingest eagerly. Bounds the static feature buffer: [largest bucket x this, n_aux x target hidden] (Llama-3.1-8B
 # at 256 sequences: 100 MB in bf16).
 INGEST_MAX_ENTRIES = 16
+# Most ingest passes of INGEST_MAX_ENTRIES entries one catch-up graph runs (``run_catch_up``), where the batch
+# leaves room in those buffers: a drafter may then sit out 4 x 16 - 1 steps of cap 0 between catch-ups.
+CATCH_UP_MAX_CHUNKS = 4
 
 
 class ChainGraphRunner:
@@ -98,45 +102,61 @@ class ChainGraphRunner:
 
     # ---- static buffers ------------------------------------------------------------------------
     def _views(self, bucket: int, steps: int):
-        """(ids [B], positions [S, B], slots [S, B], seq_lens [S, B], tables [B, w]) views of ``staging``."""
+        """(ids [B], positions [S, B], slots [S, B], seq_lens [S, B]) views of ``staging``; the block tables
+        follow them there (``_load``)."""
         s, b, sb = self.staging, bucket, steps * bucket
-        return (s[:b], s[b:b + sb].view(steps, b), s[b + sb:b + 2 * sb].view(steps, b),
-                s[b + 2 * sb:b + 3 * sb].view(steps, b), s[b + 3 * sb:b + 3 * sb + b * self.width].view(b, self.width))
+        return s[:b], s[b:b + sb].view(steps, b), s[b + sb:b + 2 * sb].view(steps, b), \
+            s[b + 2 * sb:b + 3 * sb].view(steps, b)
 
-    def _values(self, first_ids: list[int], computed: list[int], tables: list[list[int]], bucket: int,
-                steps: int) -> list[int]:
-        """The staging values (layout of ``_views``; padding rows: token 0, position 0, slot -1, one key)."""
-        ids = list(first_ids) + [0] * (bucket - len(first_ids))
-        return ids + self._chain_values(computed, tables, bucket, steps) + self._table_values(tables, bucket)
+    def _table_width(self, longest: int) -> int:
+        """Block-table columns a step whose longest row sees ``longest`` keys reads (the rest of the fixed-width
+        buffer is stale and never read)."""
+        return max(1, min(self.width, -(-longest // self.block_size)))
 
-    def _chain_values(self, starts: list[int], tables: list[list[int]], bucket: int, steps: int) -> list[int]:
-        """Positions, slots and seq_lens ([steps, bucket] each, flattened) of the chain steps: request r's step s
-        (1-based) writes position ``starts[r] + s - 1`` and sees ``starts[r] + s`` keys; padding rows slot -1, one
-        key."""
-        bs, pad = self.block_size, bucket - len(starts)
-        pos, slots, lens = [], [], []
-        for s in range(1, steps + 1):
-            for c, table in zip(starts, tables):
-                p = c + s - 1
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                lens.append(c + s)
-            pos += [0] * pad
-            slots += [-1] * pad
-            lens += [1] * pad
-        return pos + slots + lens
+    def _fill_tables(
+        self,
+        out: np.ndarray,  # [bucket, w] int64 host view
+        tables: list[list[int]],  # [num_rows][blocks]
+    ) -> np.ndarray:  # [num_rows, w] the real rows
+        """Block tables into ``out``, zeros past a table's end and in padding rows."""
+        out[:] = 0
+        w = out.shape[1]
+        for r, table in enumerate(tables):
+            row = table[:w]
+            out[r, :len(row)] = row
+        return out[:len(tables)]
 
-    def _table_values(self, tables: list[list[int]], bucket: int) -> list[int]:
-        """The block tables as ``bucket`` rows of ``width`` columns (zeros past a table's end and for padding)."""
-        flat = []
-        for table in tables:
-            row = table[:self.width]
-            flat += row + [0] * (self.width - len(row))
-        return flat + [0] * ((bucket - len(tables)) * self.width)
+    def _fill_chain(
+        self,
+        pos: np.ndarray,  # [steps, bucket] int64 host views, written
+        slots: np.ndarray,
+        lens: np.ndarray,
+        starts: np.ndarray,  # [num_rows] int64: each request's first chain position
+        tabs: np.ndarray,  # [num_rows, w] its block table
+    ) -> None:
+        """Chain step s (1-based) of request r writes position ``starts[r] + s - 1`` and sees ``starts[r] + s``
+        keys; padding rows: position 0, slot -1, one key."""
+        n, bs = len(starts), self.block_size
+        p = starts[None, :] + np.arange(pos.shape[0])[:, None]  # [S, n]
+        pos[:, :n], pos[:, n:] = p, 0
+        blocks = np.take_along_axis(tabs, (p // bs).T, axis=1).T  # [S, n]
+        slots[:, :n], slots[:, n:] = blocks * bs + p % bs, -1
+        lens[:, :n], lens[:, n:] = p + 1, 1
 
-    def _load(self, values: list[int], bucket: int, steps: int) -> None:
-        self._staging.load(values)
-        self.block_tables[:bucket].copy_(self._views(bucket, steps)[4])
+    def _load(self, first_ids: list[int], computed: list[int], tables: list[list[int]], bucket: int,
+              steps: int) -> None:
+        """Stage a chain (layout of ``_views``, then the block tables, ``w`` columns) with one host-to-device copy
+        and move the tables into ``block_tables``. Padding rows: token 0, position 0, slot -1, one key."""
+        b, sb, n = bucket, steps * bucket, len(first_ids)
+        c = np.asarray(computed, dtype=np.int64)
+        w = self._table_width(int(c.max(initial=0)) + steps)
+        fixed = b + 3 * sb
+        host = self._staging.host_view(fixed + b * w)
+        host[:n], host[n:b] = first_ids, 0
+        tabs = self._fill_tables(host[fixed:].reshape(b, w), tables)
+        self._fill_chain(*(host[b + i * sb:b + (i + 1) * sb].reshape(steps, b) for i in range(3)), c, tabs)
+        self._staging.send(fixed + b * w)
+        self.block_tables[:b, :w].copy_(self.staging[fixed:fixed + b * w].view(b, w))
 
     # ---- build / capture -----------------------------------------------------------------------
     def _num_splits(self, bucket: int) -> int | None:
@@ -174,7 +194,7 @@ class ChainGraphRunner:
             drafts[s, :bucket].copy_(ids)
 
     def _forward_for(self, bucket: int, steps: int):
-        ids0, pos, slots, lens, _ = self._views(bucket, steps)
+        ids0, pos, slots, lens = self._views(bucket, steps)
         num_splits = self._num_splits(bucket)
         metas = self._chain_metas(bucket, slots, steps)
         features, drafts = self.features, self.drafts
@@ -199,21 +219,25 @@ class ChainGraphRunner:
 
     def _step(self, bucket: int, steps: int):
         def load_padding() -> None:
-            self._load(self._values([], [], [], bucket, steps), bucket, steps)
+            self._load([], [], [], bucket, steps)
             self.features[:bucket].zero_()
         return self._built((bucket, steps), lambda: self._forward_for(bucket, steps), load_padding)
 
     @torch.inference_mode()
     def build(self, batch_sizes: list[int], steps: list[int]) -> None:
         """Build (with capture: capture) now the ingest graphs of every padded queue length for these batch sizes'
-        buckets and chain lengths (0: ingest only, the catch-up after cap-0 steps), and the chain-only graphs of
-        those of ``steps`` >= 1; a first use inside a step would capture there (a warm-up, e.g. a benchmark's)."""
+        buckets and chain lengths (0: ingest only, the catch-up after cap-0 steps, with its graphs of several
+        passes), and the chain-only graphs of those of ``steps`` >= 1; a first use inside a step would capture
+        there (a warm-up, e.g. a benchmark's)."""
         qs = sorted({self._ingest_len([n]) for n in range(1, self.max_ingest + 1)})
         for bucket in sorted({bucket_for(self.buckets, b) for b in batch_sizes} - {None}, reverse=True):
             for n in steps:
                 if 0 <= n <= self.max_steps:
                     for q in qs:
                         self._ingest_step(bucket, q, n)
+                if n == 0:
+                    for chunks in range(2, self.catch_up_chunks(bucket) + 1):
+                        self._ingest_step(bucket, self.max_ingest, 0, chunks)
                 if 1 <= n <= self.max_steps:
                     self._step(bucket, n)
 
@@ -231,7 +255,7 @@ class ChainGraphRunner:
         bucket = bucket_for(self.buckets, n)
         assert bucket is not None and self.fits(n, steps, max(computed) + steps), "chain does not fit"
         forward, graph = self._step(bucket, steps)  # may capture: before this chain's values load
-        self._load(self._values(first_ids, computed, tables, bucket, steps), bucket, steps)
+        self._load(first_ids, computed, tables, bucket, steps)
         self.features[:n].copy_(features)
         if n < bucket:
             self.features[n:bucket].zero_()
@@ -260,81 +284,150 @@ class ChainGraphRunner:
         [1, 1] -> 1, [3, 1] -> 4, [5] -> 8, [16, 9] -> 16."""
         return min(1 << (max(query_lens) - 1).bit_length(), self.max_ingest)
 
-    def _ingest_views(self, bucket: int, q: int, steps: int):
-        """Views of the ingest staging: ids, positions, slots [B*q]; seq_lens, last rows [B]; chain positions,
-        slots, seq_lens [S, B]; tables [B, w]; real-row index [B*q] (its first T entries used)."""
-        s, b, t, sb = self._ingest_staging.device, bucket, bucket * q, steps * bucket
-        at = [0]
+    def catch_up_chunks(self, num_rows: int) -> int:
+        """How many ingest passes of ``max_ingest`` entries per request one catch-up graph of ``num_rows``
+        requests holds (``run_catch_up``): as many as the static buffers, sized for the largest bucket's single
+        pass, take at this bucket, at most CATCH_UP_MAX_CHUNKS; 0 when no bucket holds the batch. Example,
+        buckets up to 64: 8 requests (bucket 8) -> 4 passes (64 entries each), 40 (bucket 64) -> 1."""
+        bucket = bucket_for(self.buckets, num_rows)
+        return 0 if bucket is None else max(1, min(CATCH_UP_MAX_CHUNKS, self.max_batch // bucket))
 
-        def take(n: int) -> torch.Tensor:
-            view = s[at[0]:at[0] + n]
-            at[0] += n
-            return view
-        ids, pos, slots, lens, last = take(t), take(t), take(t), take(b), take(b)
-        cpos, cslots, clens = take(sb).view(steps, b), take(sb).view(steps, b), take(sb).view(steps, b)
-        tables = take(b * self.width).view(b, self.width)
-        return ids, pos, slots, lens, last, cpos, cslots, clens, tables, take(t)
+    def fits_catch_up(self, query_lens: list[int], computed: list[int]) -> bool:
+        """Queues of ``query_lens`` entries (each >= 1) after ``computed`` cached ones fit one catch-up."""
+        if not query_lens:
+            return False
+        chunks = self.catch_up_chunks(len(query_lens))
+        if not chunks or not 1 <= min(query_lens) <= max(query_lens) <= chunks * self.max_ingest:
+            return False
+        q, passes = self._catch_up_shape(max(query_lens))
+        return max(computed) + q * passes <= self.width * self.block_size
 
-    def _ingest_values(self, input_ids: list[int], query_lens: list[int], computed: list[int],
-                       tables: list[list[int]], bucket: int, q: int, steps: int) -> list[int]:
-        """Staging values in ``_ingest_views``' order. Request r with c cached entries and n queued: rows
-        r*q .. r*q + n - 1 hold its entries at positions c .. c + n - 1, then q - n padding rows (token 0, slot -1);
-        its seq_len is c + q, its last real row r*q + n - 1; chain step s writes position c + n + s - 1 and sees
-        c + n + s keys. Padding requests: token 0, positions 0.., slot -1, seq_len q, last row r*q, one key per
-        chain step. Worked example, block_size 4, q 2, steps 1: one request with c = 9, n = 1, table [3, 6, 8]:
-        ids [t, 0], positions [9, 10], slots [8*4 + 1, -1], seq_len 11, last 0, chain position 10, slot 8*4 + 2,
-        seq_len 11."""
-        bs = self.block_size
-        ids, pos, slots, lens, last, index = [], [], [], [], [], []
-        at = 0
-        for r, (n, c, table) in enumerate(zip(query_lens, computed, tables)):
-            ids += input_ids[at:at + n] + [0] * (q - n)
-            at += n
-            pos += list(range(c, c + q))
-            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)] + [-1] * (q - n)
-            lens.append(c + q)
-            last.append(r * q + n - 1)
-            index += range(r * q, r * q + n)
-        for r in range(len(query_lens), bucket):
-            ids += [0] * q
-            pos += list(range(q))
-            slots += [-1] * q
-            lens.append(q)
-            last.append(r * q)
-        chain = self._chain_values([c + n for c, n in zip(computed, query_lens)], tables, bucket, steps)
-        return ids + pos + slots + lens + last + chain + self._table_values(tables, bucket) + index
+    def _catch_up_shape(self, most: int) -> tuple[int, int]:
+        """(q, chunks) of the catch-up graph for a longest queue of ``most`` entries: one pass of the ingest
+        graph's padded length up to ``max_ingest`` entries, else passes of ``max_ingest``."""
+        if most <= self.max_ingest:
+            return self._ingest_len([most]), 1
+        return self.max_ingest, -(-most // self.max_ingest)
 
-    def _ingest_forward_for(self, bucket: int, q: int, steps: int):
-        ids, pos, slots, lens, last, cpos, cslots, clens, _, _ = self._ingest_views(bucket, q, steps)
+    def _ingest_views(self, bucket: int, q: int, steps: int, chunks: int = 1):
+        """Device views of the ingest staging, T = chunks x bucket x q rows: ids, positions, slots [T]; seq_lens
+        [chunks, B]; last rows [B]; chain positions, slots, seq_lens [S, B]; real-row index [T] (its first
+        entries used); then the block tables (``_stage_ingest``)."""
+        return self._ingest_parts(self._ingest_staging.device, bucket, q, steps, chunks)
+
+    @staticmethod
+    def _ingest_parts(flat, bucket: int, q: int, steps: int, chunks: int):
+        """``_ingest_views``' layout over ``flat`` (the device buffer, or the host view being filled)."""
+        b, t, sb = bucket, chunks * bucket * q, steps * bucket
+        sizes = (t, t, t, chunks * b, b, sb, sb, sb, t)
+        parts, at = [], 0
+        for size in sizes:
+            parts.append(flat[at:at + size])
+            at += size
+        ids, pos, slots, lens, last, cpos, cslots, clens, index = parts
+        return (ids, pos, slots, lens.reshape(chunks, b), last, cpos.reshape(steps, b), cslots.reshape(steps, b),
+                clens.reshape(steps, b), index)
+
+    def _stage_ingest(self, input_ids: list[int], query_lens: list[int], computed: list[int],
+                      tables: list[list[int]], bucket: int, q: int, steps: int, chunks: int = 1) -> int:
+        """Stage an ingest (layout of ``_ingest_views``, then the block tables) with numpy into the pinned host
+        buffer, one host-to-device copy, tables into ``block_tables``; returns the real rows' count.
+
+        Request r with c cached entries and n queued (e = chunks x q padded entries each): its entry i sits in
+        pass i // q, row (i // q) x B x q + r x q + i % q, at position c + i; entries n .. e - 1 are padding (token 0,
+        slot -1); in pass j its seq_len is c + (j + 1) x q; its last real row is that of entry n - 1; chain step s
+        writes position c + n + s - 1 and sees c + n + s keys. Padding requests: token 0, positions 0 .. e - 1,
+        slot -1, seq_len (j + 1) x q, last row r x q, one key per chain step. Worked example, block_size 4, q 2,
+        steps 1, one pass: one request with c = 9, n = 1, table [3, 6, 8]: ids [t, 0], positions [9, 10], slots
+        [8*4 + 1, -1], seq_len 11, last 0, chain position 10, slot 8*4 + 2, seq_len 11. Two passes (q 2, bucket 1)
+        of n = 3 entries from c = 9: rows [e0 e1 | e2 pad], positions [9 10 | 11 12], seq_lens [11 | 13]."""
+        bs, b, e, n = self.block_size, bucket, chunks * q, len(query_lens)
+        t = chunks * b * q
+        ql = np.asarray(query_lens, dtype=np.int64)
+        c = np.asarray(computed, dtype=np.int64)
+        w = self._table_width(int(c.max(initial=0)) + e + steps)
+        fixed = 4 * t + (chunks + 1) * b + 3 * steps * b
+        host = self._ingest_staging.host_view(fixed + b * w)
+        ids, pos, slots, lens, last, cpos, cslots, clens, index = self._ingest_parts(host, b, q, steps, chunks)
+        tabs = self._fill_tables(host[fixed:].reshape(b, w), tables)
+        entry = np.arange(e)
+        real = entry[None, :] < ql[:, None]  # [n, e]
+        grid = np.zeros((b, e), dtype=np.int64)  # per request and entry, then laid out pass by pass
+        grid[:n][real] = input_ids
+
+        def lay(out: np.ndarray, values: np.ndarray) -> None:  # [b, e] -> passes of [b, q]
+            out.reshape(chunks, b, q)[:] = values.reshape(b, chunks, q).transpose(1, 0, 2)
+        lay(ids, grid)
+        grid[:n] = c[:, None] + entry
+        grid[n:] = entry
+        lay(pos, grid)
+        p = grid[:n]
+        grid[:n] = np.where(real, np.take_along_axis(tabs, p // bs, axis=1) * bs + p % bs, -1)
+        grid[n:] = -1
+        lay(slots, grid)
+        passes = (np.arange(1, chunks + 1) * q)[:, None]  # [chunks, 1]
+        lens[:, :n], lens[:, n:] = c[None, :] + passes, passes
+        rows = (entry // q) * (b * q) + entry % q  # [e] row of entry i of request 0
+        at = rows[None, :] + (np.arange(n) * q)[:, None]  # [n, e]
+        last[:n] = at[np.arange(n), ql - 1] if n else 0
+        last[n:] = np.arange(n, b) * q
+        num_real = int(ql.sum())
+        index[:num_real] = at[real]
+        self._fill_chain(cpos, cslots, clens, c + ql, tabs)
+        self._ingest_staging.send(fixed + b * w)
+        self.block_tables[:b, :w].copy_(self._ingest_staging.device[fixed:fixed + b * w].view(b, w))
+        return num_real
+
+    def _ingest_forward_for(self, bucket: int, q: int, steps: int, chunks: int = 1):
+        """The static ingest forward: ``chunks`` passes of q entries per request (the KV of pass j is written
+        before pass j + 1 reads it), then, in a single pass graph, the first drafts and ``steps`` chain steps
+        (a catch-up of several passes drafts nothing)."""
+        ids, pos, slots, lens, last, cpos, cslots, clens, _ = self._ingest_views(bucket, q, steps, chunks)
         tables = self.block_tables[:bucket]  # [B, width]
         t = bucket * q
         num_splits = self._num_splits(bucket)
-        ingest_meta = AttentionMetadata(num_tokens=t, query_lens=[q] * bucket, seq_lens=[], slot_mapping=slots,
-                                        block_tables=tables, query_start_loc=self.ingest_starts[q][:bucket + 1])
-        metas = self._chain_metas(bucket, cslots, steps)
+        metas = [AttentionMetadata(num_tokens=t, query_lens=[q] * bucket, seq_lens=[],
+                                   slot_mapping=slots[j * t:(j + 1) * t], block_tables=tables,
+                                   query_start_loc=self.ingest_starts[q][:bucket + 1]) for j in range(chunks)]
+        chain_metas = self._chain_metas(bucket, cslots, steps)
         head, kv, backend, block_size = self.head, self.kv, self.backend, self.block_size
         features, drafts = self.ingest_features, self.ingest_drafts
 
         def forward() -> None:
-            backend.prepare_static(ingest_meta, block_size, lens.to(torch.int32), q, num_splits)
-            hidden = head.fuse(features[:t])  # [B*q, hidden]
-            normed, fed = head(ids, hidden, pos, kv.kv_caches, ingest_meta, backend)
+            for j, meta in enumerate(metas):
+                backend.prepare_static(meta, block_size, lens[j].to(torch.int32), q, num_splits)
+                hidden = head.fuse(features[j * t:(j + 1) * t])  # [B*q, hidden]
+                normed, fed = head(ids[j * t:(j + 1) * t], hidden, pos[j * t:(j + 1) * t], kv.kv_caches, meta,
+                                   backend)
+            if chunks > 1:
+                return
             fed = fed.index_select(0, last)  # [B, hidden]: each request's last real entry
             nxt = head.draft_token_ids(normed.index_select(0, last))  # [B] first drafts
             drafts[0, :bucket].copy_(nxt)
-            self._run_chain(nxt, fed, metas, cpos, clens, drafts[1:], num_splits)
+            self._run_chain(nxt, fed, chain_metas, cpos, clens, drafts[1:], num_splits)
 
         return forward
 
-    def _ingest_step(self, bucket: int, q: int, steps: int):
+    def _ingest_step(self, bucket: int, q: int, steps: int, chunks: int = 1):
         def load_padding() -> None:
-            self._ingest_load(self._ingest_values([], [], [], [], bucket, q, steps), bucket, q, steps)
-            self.ingest_features[:bucket * q].zero_()
-        return self._built((bucket, q, steps), lambda: self._ingest_forward_for(bucket, q, steps), load_padding)
+            self._stage_ingest([], [], [], [], bucket, q, steps, chunks)
+            self.ingest_features[:chunks * bucket * q].zero_()
+        key = (bucket, q, steps) if chunks == 1 else (bucket, q, steps, chunks)
+        return self._built(key, lambda: self._ingest_forward_for(bucket, q, steps, chunks), load_padding)
 
-    def _ingest_load(self, values: list[int], bucket: int, q: int, steps: int) -> None:
-        self._ingest_staging.load(values)
-        self.block_tables[:bucket].copy_(self._ingest_views(bucket, q, steps)[8])
+    def _place_features(
+        self,
+        features: torch.Tensor,  # [num_real, fc_in_features] packed, request by request
+        num_rows: int,  # rows of the graph (padding included)
+        num_real: int,
+        index: torch.Tensor,  # [>= num_real] int64 device: each real row's padded place (staged)
+    ) -> None:
+        """Real rows to their padded places in ``ingest_features``; padding rows keep whatever they held (their
+        outputs are dropped and they write no KV, so nothing reads them)."""
+        if num_real == num_rows:
+            self.ingest_features[:num_rows].copy_(features)
+        else:
+            self.ingest_features.index_copy_(0, index[:num_real], features.to(self.ingest_features.dtype))
 
     @torch.inference_mode()
     def run_ingest(
@@ -348,25 +441,43 @@ class ChainGraphRunner:
         read: bool = True,
     ) -> list[list[int]]:  # [num_rows][1 + steps] drafts 1 .. steps + 1; [] when not ``read``
         """One static ingest (and ``steps`` chain steps) over the packed queues. With ``read`` False nothing is read
-        back (no host sync): a catch-up that drafts nothing, enqueued behind a step still in flight."""
+        back (no host sync)."""
         n = len(query_lens)
         bucket = bucket_for(self.buckets, n)
         q = self._ingest_len(query_lens)
         assert bucket is not None and self.fits_ingest(query_lens, steps, max(computed) + max(query_lens) + steps), \
             "ingest does not fit"
         forward, graph = self._ingest_step(bucket, q, steps)  # may capture: before these values load
-        values = self._ingest_values(input_ids, query_lens, computed, tables, bucket, q, steps)
-        self._ingest_load(values, bucket, q, steps)
-        t, t_real = bucket * q, features.shape[0]
-        if t_real == t:
-            self.ingest_features[:t].copy_(features)
-        else:  # padding rows are zeros; real rows go to their padded places
-            self.ingest_features[:t].zero_()
-            index = self._ingest_views(bucket, q, steps)[9][:t_real]
-            self.ingest_features.index_copy_(0, index, features.to(self.ingest_features.dtype))
+        num_real = self._stage_ingest(input_ids, query_lens, computed, tables, bucket, q, steps)
+        self._place_features(features, bucket * q, num_real, self._ingest_views(bucket, q, steps)[8])
+        self._replay(forward, graph)
+        return self.ingest_drafts[:1 + steps, :n].t().tolist() if read else []
+
+    @torch.inference_mode()
+    def run_catch_up(
+        self,
+        input_ids: list[int],  # [sum(query_lens)] packed: each request's queued entries' tokens
+        features: torch.Tensor,  # [sum(query_lens), fc_in_features] their target features (unfused), packed
+        query_lens: list[int],  # [num_rows] entries to ingest per request (0: none)
+        computed: list[int],  # [num_rows] head entries cached before
+        tables: list[list[int]],  # [num_rows][blocks] head block tables, query_len positions reserved
+    ) -> None:
+        """Ingest the queues and draft nothing, reading nothing back (no host sync: it can be enqueued behind a
+        step still in flight): the ingest graph of their padded length, or up to ``catch_up_chunks`` passes of
+        ``max_ingest`` entries in one graph when they are longer (the adaptive policy's cap-0 steps leave a
+        drafter up to that many steps behind: one catch-up of 64 entries instead of four of 16 at batch 8)."""
+        n = len(query_lens)
+        assert self.fits_catch_up(query_lens, computed), "catch-up does not fit"
+        bucket = bucket_for(self.buckets, n)
+        q, chunks = self._catch_up_shape(max(query_lens))
+        forward, graph = self._ingest_step(bucket, q, 0, chunks)
+        num_real = self._stage_ingest(input_ids, query_lens, computed, tables, bucket, q, 0, chunks)
+        self._place_features(features, chunks * bucket * q, num_real, self._ingest_views(bucket, q, 0, chunks)[8])
+        self._replay(forward, graph)
+
+    def _replay(self, forward, graph) -> None:
         if graph is not None:
             graph.replay()
             self.num_replays += 1
         else:
             forward()
-        return self.ingest_drafts[:1 + steps, :n].t().tolist() if read else []

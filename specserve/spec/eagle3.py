@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.request import Request
-from specserve.spec.draft_graphs import ChainGraphRunner
+from specserve.spec.draft_graphs import INGEST_MAX_ENTRIES, ChainGraphRunner
 from specserve.spec.draft_kv import DraftKV
 from specserve.spec.eagle_head import EagleHead
 from specserve.spec.proposer import Draft, VerifiedChunk
@@ -70,26 +70,74 @@ class Eagle3Proposer:
         queued for one request. Worked example: a request with 9 prompt tokens and 6 committed output tokens
         (15 known), one more pending, queued entries at positions 9..14 (the last from the step in flight): entry
         p pairs with token p + 1, known up to 14, so positions 9..13 are ingested and 14 stays (returns 1)."""
-        held: dict[str, tuple[Request, list[tuple[int, torch.Tensor]]]] = {}
-        for rid, (req, parts) in list(self.pending.items()):
-            start, queued = parts[0][0], sum(r.shape[0] for _, r in parts)
-            ready = max(0, min(queued, req.num_committed_tokens - 1 - start))
-            if ready < queued:  # split the queue (a fully ready one goes to the ingest as it is)
-                rows = torch.cat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
-                held[rid] = (req, [(start + ready, rows[ready:])])
-                if ready:
-                    self.pending[rid] = (req, [(start, rows[:ready])])
+        keep = {}
+        for rid, (req, parts) in self.pending.items():
+            start, queued = parts[0][0], sum(rows.shape[0] for _, rows in parts)
+            keep[rid] = queued - max(0, min(queued, req.num_committed_tokens - 1 - start))
+        self._ingest_front(keep, eager=True)
+        return max((sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()), default=0)
+
+    def lazy_steps(self, num_running: int) -> int:
+        """How many steps this drafter may sit out (adaptive policy at cap 0) before it must catch up: as many as
+        one catch-up graph ingests, less one (the entry of a step still in flight waits), with chain graphs; 15
+        otherwise."""
+        chunks = self.chain.catch_up_chunks(num_running) if self.chain is not None else 0
+        return max(1, chunks) * INGEST_MAX_ENTRIES - 1
+
+    def _split_queues(self, keep: dict[str, int]) -> tuple[dict, dict]:
+        """(front, back): each request's queued entries but its last ``keep[rid]`` (0 when absent), and those last
+        ones, as ``pending`` maps; a slice straddling the cut is split (views, no copy)."""
+        front, back = {}, {}
+        for rid, (req, parts) in self.pending.items():
+            total = sum(rows.shape[0] for _, rows in parts)
+            cut, at = total - min(keep.get(rid, 0), total), 0
+            for position, rows in parts:
+                n = rows.shape[0]
+                if at + n <= cut:
+                    front.setdefault(rid, (req, []))[1].append((position, rows))
+                elif at >= cut:
+                    back.setdefault(rid, (req, []))[1].append((position, rows))
                 else:
-                    del self.pending[rid]
-        if self.pending:
-            self.propose([], [])  # the ingest alone: no request drafts, so nothing is read back
-        self.pending.update(held)
-        return max((rows.shape[0] for _, parts in held.values() for _, rows in parts), default=0)
+                    front.setdefault(rid, (req, []))[1].append((position, rows[:cut - at]))
+                    back.setdefault(rid, (req, []))[1].append((position + cut - at, rows[cut - at:]))
+                at += n
+        return front, back
+
+    def _ingest_front(self, keep: dict[str, int], eager: bool) -> bool:
+        """Ingest every queued entry but the last ``keep[rid]`` of each request, drafting nothing: in the chain's
+        catch-up graph when it fits, else (``eager``) in the eager ingest. False, with nothing changed, when it
+        does not fit and may not run eagerly."""
+        original = self.pending
+        front, back = self._split_queues(keep)
+        if front:
+            self.pending = front
+            if not (self.chain is not None and self._catch_up_static()):
+                if not eager:
+                    self.pending = original
+                    return False
+                self.propose([], [])  # the eager ingest alone: no request drafts, nothing is read back
+        self.pending = back
+        return True
+
+    def _catch_up_static(self) -> bool:
+        """Every queued entry through one catch-up graph (``ChainGraphRunner.run_catch_up``); False, with nothing
+        changed, when the queues do not fit it."""
+        queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+        computed = [self.kv.computed(rid) for rid in self.pending]
+        if not self.chain.fits_catch_up(queued, computed):
+            return False
+        rids, query_lens, input_ids, _, feats, _ = self._ingest_inputs({})
+        self.pending.clear()
+        tables = [self.kv.reserve([rid], n)[1][0] for rid, n in zip(rids, query_lens)]
+        self.chain.run_catch_up(input_ids, torch.cat(feats) if len(feats) > 1 else feats[0], query_lens, computed,
+                                tables)
+        return True
 
     # ---- drafting ------------------------------------------------------------------------------
     def _ingest_inputs(self, extra_slots: dict[str, int]):
         """Packed inputs for every queued entry, plus ``extra_slots[rid]`` P-EAGLE mask slots after a request's
-        entries. Returns (rids, query_lens, input_ids, positions, features, last_real_row per rid)."""
+        entries. Returns (rids, query_lens, input_ids, positions, features, last_real_row per rid); features is
+        the list of queued slices in packed order (``torch.cat`` gives the packed rows)."""
         rids, query_lens, input_ids, positions, feats = [], [], [], [], []
         last_real: dict[str, int] = {}
         num_rows = 0
@@ -105,13 +153,12 @@ class Eagle3Proposer:
                     raise RuntimeError(f"{self.method}: request {rid} queued entries at position {position}, "
                                        f"expected {expected}")
                 expected += rows.shape[0]
-            features = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            num = features.shape[0]
+                feats.append(rows)
+            num = expected - start
             rids.append(rid)
             query_lens.append(num + extra_slots.get(rid, 0))
             input_ids.extend(req.token_slice(start + 1, start + num + 1))
             positions.extend(range(start, start + num))
-            feats.append(features)
             num_rows += num
             last_real[rid] = num_rows - 1
             num_rows += extra_slots.get(rid, 0)
@@ -122,7 +169,9 @@ class Eagle3Proposer:
         if not self.pending:
             return [Draft([]) for _ in requests]
         if self.chain is not None:
-            drafts = self._propose_static(requests, num_spec_tokens)
+            if not requests and self._catch_up_static():
+                return []
+            drafts = self._propose_static(requests, num_spec_tokens) if requests else None
             if drafts is not None:
                 return drafts
         rids, query_lens, input_ids, positions, feats, last_real = self._ingest_inputs({})
@@ -152,14 +201,17 @@ class Eagle3Proposer:
         """Ingest and every draft step in one static forward (``ChainGraphRunner.run_ingest``) when every drafting
         request has entries queued and every queue fits it; None, with nothing changed, otherwise (the eager
         ingest then runs, and the chain alone may still take the later steps). Queued requests that do not draft
-        this step are ingested too, their chain rows dropped; with no drafting request at all (``requests``
-        empty: the catch-up after the adaptive policy's cap-0 steps) the graph ingests only (no chain steps).
-        Stop 28 on the H200: that catch-up, 16 queued entries a request, ran eagerly, 3-18 ms a time at a 1 ms
-        target step, every 16 steps while the policy held cap 0."""
+        this step are ingested too, their chain rows dropped. A queue longer than the ingest graph takes (the
+        adaptive policy's cap-0 steps left the drafter up to ``lazy_steps`` behind; a short prompt chunk) is first
+        caught up in the catch-up graph but for each drafting request's last entry."""
         if any(r.request_id not in self.pending for r in requests):
             return None
         steps = max(num_spec_tokens, default=1) - 1
         queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+        if max(queued) > self.chain.max_ingest:
+            if not self._ingest_front({r.request_id: 1 for r in requests}, eager=False):
+                return None
+            queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
         computed = [self.kv.computed(rid) for rid in self.pending]
         if not self.chain.fits_ingest(queued, steps, max(computed) + max(queued) + steps):
             return None  # checked before _ingest_inputs builds anything: the eager path builds its own
@@ -169,7 +221,7 @@ class Eagle3Proposer:
         for rid, n in zip(rids, query_lens):
             tables.append(self.kv.reserve([rid], n + steps)[1][0])
         drafts = dict(zip(rids, self.chain.run_ingest(input_ids, torch.cat(feats) if len(feats) > 1 else feats[0],
-                                                      query_lens, computed, tables, steps, read=bool(requests))))
+                                                      query_lens, computed, tables, steps)))
         for rid, c, n in zip(rids, computed, query_lens):  # every chain row ran, drafting or not (a prompt
             self.kv.truncate(rid, c + n)  # chunk's request too): back to the real entries
         return [Draft(drafts[r.request_id][:n]) for r, n in zip(requests, num_spec_tokens)]

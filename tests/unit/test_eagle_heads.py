@@ -330,14 +330,16 @@ def test_static_draft_chain_equals_the_from_scratch_reference(buckets, budget: i
 
 
 @pytest.mark.parametrize("async_steps", [False, True])
-def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: bool) -> None:
-    """At the adaptive policy's cap 0 the drafters skip LAZY_DRAFT_STEPS steps, then catch up on every entry
-    queued meanwhile: one static ingest with no chain steps (``run_ingest`` steps 0, nothing read back), in a
-    synchronous step the queue of LAZY_DRAFT_STEPS + 1 entries padded to INGEST_MAX_ENTRIES (one graph replay on a
-    GPU, not an eager ingest), with overlapped steps the LAZY_DRAFT_STEPS - 1 entries whose next tokens are
-    committed, behind the step in flight (``Eagle3Proposer.catch_up``); when drafting resumes the drafts are
+@pytest.mark.parametrize("buckets", [(1, 2, 4), (1, 2, 4, 8, 16)])
+def test_catch_up_after_cap_zero_steps_runs_in_the_catch_up_graph(async_steps: bool, buckets) -> None:
+    """At the adaptive policy's cap 0 the drafters skip ``lazy_steps`` steps, then catch up on every entry queued
+    meanwhile in one static ingest that drafts nothing and reads nothing back (``run_catch_up``): in a synchronous
+    step the queue of lazy_steps + 1 entries, with overlapped steps the entries whose next tokens are committed,
+    behind the step in flight (``Eagle3Proposer.catch_up``). Three requests fill the largest bucket of (1, 2, 4):
+    one pass of INGEST_MAX_ENTRIES, 15 steps skipped; with buckets up to 16 the buffers hold four passes at
+    bucket 4: 63 steps skipped, catch-ups of more than 16 entries in one graph, and when drafting resumes the
+    long queue is caught up there too but for each request's last entry. Never an eager ingest; the drafts are
     exactly the from-scratch reference's, and the output is plain greedy's."""
-    from specserve.engine.engine import LAZY_DRAFT_STEPS
     from tests.unit.test_spec_engine import assert_clean
     from tests.unit.test_spec_policy import Alternating
 
@@ -345,19 +347,22 @@ def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: boo
                                          head_cpu_quant="none"), block_size=4)
     engine.async_scheduling = async_steps
     proposer = engine.proposers["eagle3"]
-    proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
-    engine.set_spec_policy(Alternating(2 * LAZY_DRAFT_STEPS + 4))
-    ingests = []
-    inner = proposer.chain.run_ingest
-    proposer.chain.run_ingest = lambda *a, **kw: ingests.append((tuple(a[2]), a[5], kw.get("read", True))) \
-        or inner(*a, **kw)
+    proposer.use_chain_graphs(buckets, max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
+    limit = proposer.lazy_steps(3)
+    assert limit == (INGEST_MAX_ENTRIES - 1 if buckets[-1] == 4 else 4 * INGEST_MAX_ENTRIES - 1)
+    engine.set_spec_policy(Alternating(2 * limit + 4))
+    catch_ups, eager = [], []
+    inner, inner_eager = proposer.chain.run_catch_up, proposer.kv.metadata
+    proposer.chain.run_catch_up = lambda *a: catch_ups.append(tuple(a[2])) or inner(*a)
+    proposer.kv.metadata = lambda rids, lens: eager.append(max(lens)) or inner_eager(rids, lens)  # eager ingests
     drafts = record_drafts(proposer)
-    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * limit + 40, temperature=0.0, ignore_eos=True)
     ps = prompts([5, 9, 3])
     reqs = engine.generate(ps, params)
-    catch_ups = [q for q, steps, read in ingests if steps == 0 and not read]
-    longest = LAZY_DRAFT_STEPS - 1 if async_steps else LAZY_DRAFT_STEPS + 1
-    assert catch_ups and max(map(max, catch_ups)) == longest and LAZY_DRAFT_STEPS + 1 <= INGEST_MAX_ENTRIES
+    assert catch_ups and max(map(max, catch_ups)) <= limit + 1
+    if buckets[-1] == 16:
+        assert max(map(max, catch_ups)) > INGEST_MAX_ENTRIES
+    assert not [n for n in eager if n > 9], f"eager ingests of decode queues: {eager}"  # 9: the longest prompt
     assert len(drafts) > 20
     for tokens, k, draft in drafts:
         assert draft == reference_drafts(engine.runner.model, proposer.head, tokens, k)
@@ -366,17 +371,46 @@ def test_catch_up_after_cap_zero_steps_runs_in_the_ingest_graph(async_steps: boo
     assert_clean(engine)
 
 
+def test_ingest_staging_matches_the_worked_examples() -> None:
+    """``_stage_ingest`` lays out the docstring's worked examples (block_size 4): one pass of q 2 with a chain step,
+    and a catch-up of two passes of q 2 (its second pass sees the first pass's keys: seq_len 13), next to a padding
+    request; the block tables land in ``block_tables``."""
+    engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3), block_size=4)
+    proposer = engine.proposers["eagle3"]
+    proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
+    chain = proposer.chain
+    with torch.inference_mode():
+        assert chain._stage_ingest([7], [1], [9], [[3, 6, 8]], 1, 2, 1) == 1
+    ids, pos, slots, lens, last, cpos, cslots, clens, index = chain._ingest_views(1, 2, 1)
+    assert (ids.tolist(), pos.tolist(), slots.tolist(), lens.tolist(), last.tolist()) == \
+        ([7, 0], [9, 10], [8 * 4 + 1, -1], [[11]], [0])
+    assert (cpos.tolist(), cslots.tolist(), clens.tolist(), index[:1].tolist()) == ([[10]], [[8 * 4 + 2]], [[11]], [0])
+    assert chain.block_tables[0, :3].tolist() == [3, 6, 8]
+    with torch.inference_mode():
+        assert chain._stage_ingest([7, 8, 9], [3], [9], [[3, 6, 8, 9]], 2, 2, 0, chunks=2) == 3
+    ids, pos, slots, lens, last, _, _, _, index = chain._ingest_views(2, 2, 0, chunks=2)
+    # rows: pass 0 [r0 e0, r0 e1, pad request x2], pass 1 [r0 e2, r0 padding, pad request x2]
+    assert ids.tolist() == [7, 8, 0, 0, 9, 0, 0, 0]
+    assert pos.tolist() == [9, 10, 0, 1, 11, 12, 2, 3]
+    assert slots.tolist() == [33, 34, -1, -1, 35, -1, -1, -1]
+    assert lens.tolist() == [[11, 2], [13, 4]]
+    assert last.tolist() == [4, 2] and index[:3].tolist() == [0, 1, 4]
+    assert chain.block_tables[:2, :4].tolist() == [[3, 6, 8, 9], [0, 0, 0, 0]]
+
+
 def test_chain_runner_builds_every_ingest_shape_ahead() -> None:
     """``build`` makes the ingest forwards of every padded queue length (1, 2, 4, 8, 16) for the buckets holding
-    the given batch sizes and chain lengths (0: ingest only), and the chain-only forwards of lengths >= 1; a run
-    then finds its shape built."""
+    the given batch sizes and chain lengths (0: ingest only, with the catch-up forwards of 2..4 passes where the
+    buffers hold them: bucket 1 of a largest bucket 4, not bucket 4), and the chain-only forwards of lengths >= 1;
+    a run then finds its shape built."""
     engine = tiny_engine(spec=SpecConfig(method="eagle3", model="dummy", num_spec_tokens=3), block_size=4)
     proposer = engine.proposers["eagle3"]
     proposer.use_chain_graphs((1, 2, 4), max_num_seqs=64, max_steps=3, max_positions=600, capture=False)
     chain = proposer.chain
     chain.build([1, 3], [0, 2])
     qs = (1, 2, 4, 8, INGEST_MAX_ENTRIES)
-    assert set(chain.forwards) == {(b, q, n) for b in (1, 4) for q in qs for n in (0, 2)} | {(1, 2), (4, 2)}
+    assert set(chain.forwards) == ({(b, q, n) for b in (1, 4) for q in qs for n in (0, 2)} | {(1, 2), (4, 2)}
+                                   | {(1, INGEST_MAX_ENTRIES, 0, c) for c in (2, 3, 4)})
 
 
 def test_static_ingest_pads_queues_of_different_lengths_like_the_eager_ingest() -> None:

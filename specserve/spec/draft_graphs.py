@@ -53,6 +53,14 @@ INGEST_MAX_ENTRIES = 16
 CATCH_UP_MAX_CHUNKS = 4
 
 
+def _ingest_sizes(bucket: int, q: int, steps: int, chunks: int) -> tuple[int, ...]:
+    """Lengths of the ingest staging's parts, in order (``ChainGraphRunner._ingest_views``), T = chunks x bucket
+    x q: ids, positions, slots [T]; seq_lens [chunks x B]; last rows [B]; chain positions, slots, seq_lens
+    [S x B]; real-row index [T]. The block tables follow at their sum."""
+    t, sb = chunks * bucket * q, steps * bucket
+    return t, t, t, chunks * bucket, bucket, sb, sb, sb, t
+
+
 class ChainGraphRunner:
     """Static (captured when ``capture``) chains of single-token head steps over ``DraftKV``'s cache."""
 
@@ -104,9 +112,14 @@ class ChainGraphRunner:
     def _views(self, bucket: int, steps: int):
         """(ids [B], positions [S, B], slots [S, B], seq_lens [S, B]) views of ``staging``; the block tables
         follow them there (``_load``)."""
-        s, b, sb = self.staging, bucket, steps * bucket
-        return s[:b], s[b:b + sb].view(steps, b), s[b + sb:b + 2 * sb].view(steps, b), \
-            s[b + 2 * sb:b + 3 * sb].view(steps, b)
+        return self._chain_parts(self.staging, bucket, steps)
+
+    @staticmethod
+    def _chain_parts(flat, bucket: int, steps: int):
+        """``_views``' layout over ``flat`` (the device buffer, or the host view being filled): ids [B], then
+        positions, slots, seq_lens [S, B] each; the block tables start at ``bucket * (1 + 3 * steps)``."""
+        b, sb = bucket, steps * bucket
+        return flat[:b], *(flat[b + i * sb:b + (i + 1) * sb].reshape(steps, b) for i in range(3))
 
     def _table_width(self, longest: int) -> int:
         """Block-table columns a step whose longest row sees ``longest`` keys reads (the rest of the fixed-width
@@ -147,14 +160,15 @@ class ChainGraphRunner:
               steps: int) -> None:
         """Stage a chain (layout of ``_views``, then the block tables, ``w`` columns) with one host-to-device copy
         and move the tables into ``block_tables``. Padding rows: token 0, position 0, slot -1, one key."""
-        b, sb, n = bucket, steps * bucket, len(first_ids)
+        b, n = bucket, len(first_ids)
         c = np.asarray(computed, dtype=np.int64)
         w = self._table_width(int(c.max(initial=0)) + steps)
-        fixed = b + 3 * sb
+        fixed = b * (1 + 3 * steps)
         host = self._staging.host_view(fixed + b * w)
-        host[:n], host[n:b] = first_ids, 0
+        ids, *chain = self._chain_parts(host, b, steps)
+        ids[:n], ids[n:] = first_ids, 0
         tabs = self._fill_tables(host[fixed:].reshape(b, w), tables)
-        self._fill_chain(*(host[b + i * sb:b + (i + 1) * sb].reshape(steps, b) for i in range(3)), c, tabs)
+        self._fill_chain(*chain, c, tabs)
         self._staging.send(fixed + b * w)
         self.block_tables[:b, :w].copy_(self.staging[fixed:fixed + b * w].view(b, w))
 
@@ -318,10 +332,9 @@ class ChainGraphRunner:
     @staticmethod
     def _ingest_parts(flat, bucket: int, q: int, steps: int, chunks: int):
         """``_ingest_views``' layout over ``flat`` (the device buffer, or the host view being filled)."""
-        b, t, sb = bucket, chunks * bucket * q, steps * bucket
-        sizes = (t, t, t, chunks * b, b, sb, sb, sb, t)
+        b = bucket
         parts, at = [], 0
-        for size in sizes:
+        for size in _ingest_sizes(bucket, q, steps, chunks):
             parts.append(flat[at:at + size])
             at += size
         ids, pos, slots, lens, last, cpos, cslots, clens, index = parts
@@ -342,11 +355,10 @@ class ChainGraphRunner:
         [8*4 + 1, -1], seq_len 11, last 0, chain position 10, slot 8*4 + 2, seq_len 11. Two passes (q 2, bucket 1)
         of n = 3 entries from c = 9: rows [e0 e1 | e2 pad], positions [9 10 | 11 12], seq_lens [11 | 13]."""
         bs, b, e, n = self.block_size, bucket, chunks * q, len(query_lens)
-        t = chunks * b * q
         ql = np.asarray(query_lens, dtype=np.int64)
         c = np.asarray(computed, dtype=np.int64)
         w = self._table_width(int(c.max(initial=0)) + e + steps)
-        fixed = 4 * t + (chunks + 1) * b + 3 * steps * b
+        fixed = sum(_ingest_sizes(b, q, steps, chunks))
         host = self._ingest_staging.host_view(fixed + b * w)
         ids, pos, slots, lens, last, cpos, cslots, clens, index = self._ingest_parts(host, b, q, steps, chunks)
         tabs = self._fill_tables(host[fixed:].reshape(b, w), tables)

@@ -26,6 +26,11 @@ from specserve.spec.eagle_head import EagleHead
 from specserve.spec.proposer import Draft, VerifiedChunk
 
 
+def _queued(parts: list[tuple[int, torch.Tensor]]) -> int:
+    """Entries in one request's queue: ``parts`` is its list of (first position, feature rows [n, width])."""
+    return sum(rows.shape[0] for _, rows in parts)
+
+
 class Eagle3Proposer:
     method = "eagle3"
 
@@ -72,10 +77,14 @@ class Eagle3Proposer:
         p pairs with token p + 1, known up to 14, so positions 9..13 are ingested and 14 stays (returns 1)."""
         keep = {}
         for rid, (req, parts) in self.pending.items():
-            start, queued = parts[0][0], sum(rows.shape[0] for _, rows in parts)
+            start, queued = parts[0][0], _queued(parts)
             keep[rid] = queued - max(0, min(queued, req.num_committed_tokens - 1 - start))
         self._ingest_front(keep, eager=True)
-        return max((sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()), default=0)
+        return max(self._queue_lengths(), default=0)
+
+    def _queue_lengths(self) -> list[int]:
+        """Entries queued per pending request, in ``pending``'s order."""
+        return [_queued(parts) for _, parts in self.pending.values()]
 
     def lazy_steps(self, num_running: int) -> int:
         """How many steps this drafter may sit out (adaptive policy at cap 0) before it must catch up: as many as
@@ -89,7 +98,7 @@ class Eagle3Proposer:
         ones, as ``pending`` maps; a slice straddling the cut is split (views, no copy)."""
         front, back = {}, {}
         for rid, (req, parts) in self.pending.items():
-            total = sum(rows.shape[0] for _, rows in parts)
+            total = _queued(parts)
             cut, at = total - min(keep.get(rid, 0), total), 0
             for position, rows in parts:
                 n = rows.shape[0]
@@ -122,7 +131,7 @@ class Eagle3Proposer:
     def _catch_up_static(self) -> bool:
         """Every queued entry through one catch-up graph (``ChainGraphRunner.run_catch_up``); False, with nothing
         changed, when the queues do not fit it."""
-        queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+        queued = self._queue_lengths()
         computed = [self.kv.computed(rid) for rid in self.pending]
         if not self.chain.fits_catch_up(queued, computed):
             return False
@@ -207,11 +216,11 @@ class Eagle3Proposer:
         if any(r.request_id not in self.pending for r in requests):
             return None
         steps = max(num_spec_tokens, default=1) - 1
-        queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+        queued = self._queue_lengths()
         if max(queued) > self.chain.max_ingest:
             if not self._ingest_front({r.request_id: 1 for r in requests}, eager=False):
                 return None
-            queued = [sum(rows.shape[0] for _, rows in parts) for _, parts in self.pending.values()]
+            queued = self._queue_lengths()
         computed = [self.kv.computed(rid) for rid in self.pending]
         if not self.chain.fits_ingest(queued, steps, max(computed) + max(queued) + steps):
             return None  # checked before _ingest_inputs builds anything: the eager path builds its own

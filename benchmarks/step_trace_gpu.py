@@ -35,7 +35,8 @@ class Logged(SpecPolicy):
     the policy (``seconds``). ``pin`` (a cap, or "none" for no cap): every decision returns it instead of the
     policy's choice (the engine runs its adaptive machinery and the policy is timed, but what runs is a fixed arm;
     the policy's other arms are then never measured, so every decision takes its try path: its time and snapshot
-    are not a free-running policy's)."""
+    are not a free-running policy's). A decision's entry also holds its bucket's goodput per arm and the acceptance
+    model's expected tokens at 3 drafts, as they stood when it chose (host time spent on them is not counted)."""
 
     def __init__(self, pin: int | str = "free", **kw) -> None:
         super().__init__(**kw)
@@ -49,11 +50,16 @@ class Logged(SpecPolicy):
         self.seconds += time.perf_counter() - t0
         if self.pin != "free":
             cap = None if self.pin == "none" else self.pin
-        self.log.append(["choose", self.decisions, batch_size, cap])
+        arms = self.stats.get(self.bucket(batch_size), {})
+        seen = {("none" if a == -1 else str(a)): (None if s.goodput is None else round(s.goodput))
+                for a, s in arms.items()}
+        self.log.append(["choose", self.decisions, batch_size, cap, seen,
+                         round(self.acceptance.expected(3), 3)])
         return cap
 
     def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
-        self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens])
+        self.log.append(["record", self.decisions, batch_size, cap, round(seconds * 1e3, 3), tokens,
+                         None if outcomes is None else [list(o) for o in outcomes]])
         t0 = time.perf_counter()
         self._recording = True
         try:
@@ -72,8 +78,10 @@ class Logged(SpecPolicy):
 
 
 # row -> (spec, policy): spec None is EAGLE-3 k = 3; policy None runs none, "free" the adaptive policy, a cap
-# ("none": no cap, 0, 1) the adaptive machinery with every decision pinned to that cap
+# ("none": no cap, 0, 1) the adaptive machinery with every decision pinned to that cap; "doubling" the adaptive policy
+# as before stop 31 (every losing probe doubles its arm's interval, however much it rose: ``rising`` infinite)
 ROWS = {"plain": (SPEC_OFF, None), "eagle3_k3": (None, None), "eagle3_k3_adaptive": (None, "free"),
+        "eagle3_k3_adaptive_doubling": (None, "doubling"),
         "eagle3_k3_pinned_none": (None, "none"), "eagle3_k3_pinned_0": (None, 0), "plain_again": (SPEC_OFF, None)}
 
 
@@ -178,7 +186,10 @@ def main() -> int:
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "rows": {}}
     for name in rows:
         spec, pin = ROWS[name]
-        policy = None if pin is None else Logged(caps=(0, 1), pin=pin)
+        if pin == "doubling":
+            policy = Logged(caps=(0, 1), rising=float("inf"))
+        else:
+            policy = None if pin is None else Logged(caps=(0, 1), pin=pin)
         engine.set_spec_policy(policy)
         row = trace(engine, prompts, params, spec if spec is not None else k3, args.concurrency)
         if policy is not None:

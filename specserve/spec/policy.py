@@ -17,7 +17,11 @@ commits 1 to k + 1 tokens a step, so a few steps' tokens are noise. Its requests
 (whichever its arm and bucket). Times are steady from step to step, so a short window measures an arm's cost well, and
 its worth follows the live acceptance. It picks the best arm of the bucket and probes each other arm now and then, so
 that a change in traffic or load is seen: ``probe_every`` decisions after its last probe, an interval that doubles
-with each probe that does not find it better than the best arm (so a losing arm costs ever less, a tied one too: every
+with each probe that does not find it better than the best arm, unless it found it more than ``RISING`` better than
+the arm's previous probe did (so a losing arm costs ever less, a tied one too, but one that is catching up is not
+left behind: acceptance can climb for hundreds of steps as answers settle, and doubling after every losing probe
+held cap 0 long after no cap had overtaken it, 0.932x of the best fixed arm in ``benchmarks/policy_replay.py``'s
+replay of MT-Bench at batch 8, 0.979x with the rule; every
 switch to or from cap 0 costs a catch-up step that no arm is credited with; on the H200 with SmolLM2 and the trained
 head at batch 8 on MT-Bench, "no cap" and cap 0 within 1% of each other, a switch every ~18 steps, probes and
 catch-ups, held the policy to 0.82x of plain decoding, stop 28) and resets when one finds it better; that verdict
@@ -69,6 +73,7 @@ from specserve.config import MAX_NUM_SPEC_TOKENS
 
 NO_CAP = -1  # the arm "each request drafts its own num_spec_tokens"
 OUTLIER = 3.0  # a step this many times slower than the arm's median step paid a one-off cost: not counted
+RISING = 0.05  # a probe this much above the arm's previous one: it is catching up, the interval does not double
 PRIOR_WEIGHT = 4.0  # outcomes' worth of the long-run acceptance in the recent estimate (AcceptanceModel)
 
 
@@ -213,6 +218,7 @@ class ArmStats:
     recorded: int = 0  # steps measured so far
     probe_from: int = 0  # ``recorded`` when its latest probe began
     probe_began: int = 0  # the decision its latest probe began at
+    last_probe: float | None = None  # what its latest judged probe measured
     _cache: tuple[int, int, float | None] = (-1, -1, None)  # (recorded, model version, goodput)
     _totals: tuple[int, float, list[int]] | None = None  # kept_totals of the window at _cache's ``recorded``
 
@@ -243,19 +249,20 @@ class ArmStats:
 
 class SpecPolicy:
     def __init__(self, caps: tuple[int, ...] = (0, 1, 2), probe_every: int = 32, max_probe_every: int = 1024,
-                 window: int = 8, probe_steps: int = 2) -> None:
+                 window: int = 8, probe_steps: int = 2, rising: float = RISING) -> None:
         """``caps``: the draft-length caps tried besides "no cap" (0: no drafts). An arm that is not the best is
         probed ``probe_every`` decisions after its last probe began, for ``probe_steps`` decisions in a row;
         each probe that finds it below the best arm doubles that interval (up to ``max_probe_every``: a worse or
         tied arm costs ever less), and one that finds it better resets it. ``window``: the measured steps per arm
-        its goodput is taken over."""
+        its goodput is taken over. ``rising``: a losing arm's probe that measures more than 1 + ``rising`` times its
+        previous probe keeps the interval instead of doubling it (``RISING``)."""
         if any(c < 0 for c in caps) or not 2 <= probe_every <= max_probe_every or window < 1 \
                 or not 1 <= probe_steps < probe_every:
             raise ValueError("spec policy: caps must be >= 0, 2 <= probe_every <= max_probe_every, window >= 1 "
                              "and 1 <= probe_steps < probe_every")
         self.arms = (NO_CAP, *sorted(set(caps), reverse=True))  # the first bucket tries them in this order
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.window, self.probe_steps = window, probe_steps
+        self.window, self.probe_steps, self.rising = window, probe_steps, rising
         self.decisions = 0
         self.stats: dict[int, dict[int, ArmStats]] = {}  # bucket -> arm -> stats
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (arm being tried or probed, decisions left)
@@ -342,9 +349,12 @@ class SpecPolicy:
         if seen is None and stats.goodput is not None:
             pass  # the engine credited none of its steps (one-off costs): no news, the interval stays
         elif seen is not None and others and seen < max(others):
-            stats.interval = min(2 * stats.interval, self.max_probe_every)
+            rising = stats.last_probe is not None and seen > stats.last_probe * (1.0 + self.rising)
+            stats.interval = stats.interval if rising else min(2 * stats.interval, self.max_probe_every)
         else:
             stats.interval = self.probe_every
+        if seen is not None:
+            stats.last_probe = seen
         stats.due = stats.probe_began + stats.interval
 
     def _best(self, arms: dict[int, ArmStats]) -> int:

@@ -65,7 +65,6 @@ run only with the policy off.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -121,22 +120,29 @@ class AcceptanceModel:
         self.accepted = [0.0] * (max_drafts + 1)  # [i]: ... whose draft i was accepted
         self.long_reached = [0.0] * (max_drafts + 1)  # the same, aged by outcomes over long_horizon
         self.long_accepted = [0.0] * (max_drafts + 1)
-        self._expected: list[float] | None = None  # expected(L) for every L, rebuilt after new outcomes or aging
+        self.top = 0  # the farthest position any outcome reached: every tally above it is zero (loops stop there)
+        self._expected: list[float] | None = None  # expected(L) for L <= top, rebuilt after new outcomes or aging
+        self._chain = 1.0  # alpha_1 ... alpha_top, the table's last term
         self.version = 0  # bumped by every change (arms' cached goodputs compare it)
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         """``outcomes``: (drafts verified, drafts accepted) of each request that verified drafts in one step."""
-        outcomes = [(n, a) for n, a in outcomes if n > 0]
-        if not outcomes:
-            return
         size = len(self.reached)
+        last = size - 1
         ends, hits = [0] * (size + 1), [0] * (size + 1)  # histograms of the last reached / accepted position
-        for n, a in outcomes:
-            ends[min(a + 1, n, size - 1)] += 1
-            hits[min(a, size - 1)] += 1
-        keep = self.long_decay ** len(outcomes)
+        count = longest = 0
+        for n, a in outcomes:  # one pass (it runs every step, over every drafting request)
+            if n > 0:
+                ends[min(a + 1, n, last)] += 1
+                hits[min(a, last)] += 1
+                count += 1
+                longest = max(longest, n)
+        if not count:
+            return
+        self.top = max(self.top, min(longest, last))
+        keep = self.long_decay ** count
         reached = accepted = 0
-        for i in range(size - 1, 0, -1):  # suffix sums: position i is reached by every outcome ending at >= i
+        for i in range(self.top, 0, -1):  # suffix sums: position i is reached by every outcome ending at >= i
             reached, accepted = reached + ends[i], accepted + hits[i]
             self.reached[i] += reached
             self.accepted[i] += accepted
@@ -149,8 +155,9 @@ class AcceptanceModel:
         """One policy decision has passed: every outcome's recent weight decays by 1 - 1/horizon (skipped once
         the weights are negligible, so a policy that never drafts does no work)."""
         if self.reached[1] > 1e-3:
-            self.reached = [w * self.decay for w in self.reached]
-            self.accepted = [w * self.decay for w in self.accepted]
+            end, d = self.top + 1, self.decay
+            self.reached[:end] = [w * d for w in self.reached[:end]]
+            self.accepted[:end] = [w * d for w in self.accepted[:end]]
             self._expected = None
             self.version += 1
 
@@ -163,11 +170,19 @@ class AcceptanceModel:
         """Tokens a request verifying ``num_drafts`` drafts commits on average."""
         if self._expected is None:
             table, chain = [1.0], 1.0
-            for i in range(1, len(self.reached)):
+            for i in range(1, self.top + 1):
                 chain *= self.alpha(i)
                 table.append(table[-1] + chain)
-            self._expected = table
-        return self._expected[min(num_drafts, len(self._expected) - 1)]
+            self._expected, self._chain = table, chain
+        table = self._expected
+        if num_drafts < len(table):
+            return table[num_drafts]
+        # positions past ``top`` hold no outcome: their rate is the prior's (1 + 0) / (0 + 2) = 1/2
+        total, chain = table[-1], self._chain
+        for _ in range(min(num_drafts, len(self.reached) - 1) - self.top):
+            chain *= 0.5
+            total += chain
+        return total
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,9 @@ class Step:
 def kept_totals(steps: list[Step]) -> tuple[int, float, list[int]]:
     """What ``rate`` sums over ``steps`` once the slow ones are left out: (exact tokens, seconds, drafted[L]
     summed). It does not depend on the acceptance model, so an arm caches it until its next step."""
-    typical = statistics.median(s.seconds for s in steps)
+    times = sorted(s.seconds for s in steps)
+    mid = len(times) // 2
+    typical = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2  # the median
     tokens, seconds, drafted = 0, 0.0, [0] * max(len(s.drafted) for s in steps)
     for s in steps:
         if s.seconds <= OUTLIER * typical:
@@ -245,6 +262,11 @@ class ArmStats:
         """``rate`` over the steps its latest probe measured (None: none)."""
         n = min(self.recorded - self.probe_from, len(self.samples))
         return rate(list(self.samples)[-n:], self.model) if n > 0 else None
+
+
+def _best(values: dict[int, float | None]) -> int:
+    """The arm of the highest measured goodput (the first in order on a tie)."""
+    return max((a for a, v in values.items() if v is not None), key=values.__getitem__)
 
 
 class SpecPolicy:
@@ -308,7 +330,8 @@ class SpecPolicy:
             self._judge(arms, self._verdicts.pop(bucket))
         arm = self._continue_probe(bucket, arms)
         if arm is None:
-            untried = [a for a in self._order[bucket] if arms[a].goodput is None]
+            values = {a: s.goodput for a, s in arms.items()}  # each arm priced once a decision
+            untried = [a for a in self._order[bucket] if values[a] is None]
             # an unmeasured arm is tried; a try the engine credited nothing is repeated when its interval is up
             trying = [a for a in untried if arms[a].due <= self.decisions]
             if trying:
@@ -316,7 +339,7 @@ class SpecPolicy:
             elif len(untried) == len(self.arms):  # nothing measured yet, no try due: the first arm, held
                 arm = best = self._order[bucket][0]
             else:  # the best arm, or an arm due for a probe
-                best = self._best(arms)
+                best = _best(values)
                 due = [a for a in self.arms if a != best and arms[a].due <= self.decisions]
                 arm = min(due, key=lambda a: arms[a].due) if due else best
             if trying or arm != best:  # a try or a probe: this arm for probe_steps decisions
@@ -358,7 +381,7 @@ class SpecPolicy:
         stats.due = stats.probe_began + stats.interval
 
     def _best(self, arms: dict[int, ArmStats]) -> int:
-        return max((a for a in self.arms if arms[a].goodput is not None), key=lambda a: arms[a].goodput)
+        return _best({a: s.goodput for a, s in arms.items()})
 
     def record(self, batch_size: int, cap: int | None, seconds: float, tokens: int,
                outcomes: list[tuple[int, int]] | None = None) -> None:
@@ -376,11 +399,13 @@ class SpecPolicy:
         if outcomes is None:
             stats.add(Step(seconds, tokens))
             return
-        lengths = [n for n, _ in outcomes if n > 0]
-        drafted = [0] * (max(lengths, default=0) + 1)
-        for n in lengths:
-            drafted[n] += 1
-        committed = sum(a + 1 for n, a in outcomes if n > 0)  # the drafting requests' own (noisy) tokens
+        # observe (above) raised the model's top to every n here (n <= MAX_NUM_SPEC_TOKENS); zeros past the
+        # longest n this step are harmless (kept_totals sums by length, priced skips zero counts)
+        drafted, committed = [0] * (self.acceptance.top + 1), 0
+        for n, a in outcomes:
+            if n > 0:
+                drafted[n] += 1
+                committed += a + 1  # the drafting requests' own (noisy) tokens
         stats.add(Step(seconds, max(tokens - committed, 0), tuple(drafted)))
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:

@@ -8,6 +8,8 @@ each class, the time between steps (the generate loop), the longest steps, and f
 decision and record of the policy. Writes $OUT/step_trace.json.
 
     python benchmarks/step_trace_gpu.py --set humaneval --prompts 4
+    python benchmarks/step_trace_gpu.py --set mt_bench --prompts 16 --concurrency 8 --repeats 5 \
+        --rows eagle3_k3_adaptive,eagle3_k3_adaptive_doubling
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def main() -> int:
     ap.add_argument("--gsm8k-limit", type=int, default=200)
     ap.add_argument("--cold", action="store_true", help="no warm-up: first-use costs land in the rows")
     ap.add_argument("--eagle3-head", default="heads/smollm2-135m-instruct-eagle3")
+    ap.add_argument("--repeats", type=int, default=1, help="run the row list this many times, interleaved")
     ap.add_argument("--rows", default="plain,eagle3_k3,eagle3_k3_adaptive,plain_again",
                     help=f"rows to run, in order, from {','.join(ROWS)}")
     args = ap.parse_args()
@@ -184,7 +187,8 @@ def main() -> int:
             chain.build(list(range(1, args.concurrency + 1)), [0, 1, 2])
     result = {"command": " ".join(["python", *sys.argv]),
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "rows": {}}
-    for name in rows:
+    order = [(f"{name}#{rep}" if args.repeats > 1 else name, name) for rep in range(args.repeats) for name in rows]
+    for key, name in order:  # with --repeats, the row list again and again (machine drift hits every row alike)
         spec, pin = ROWS[name]
         if pin == "doubling":
             policy = Logged(caps=(0, 1), rising=float("inf"))
@@ -196,14 +200,18 @@ def main() -> int:
             row["policy"] = policy.snapshot()
             row["policy_log"] = policy.log
             row["policy_seconds"] = policy.seconds
-        result["rows"][name] = row
+        result["rows"][key] = row
         kinds = " ".join(f"{k}:{v['steps']}/{v['seconds'] * 1e3:.0f}ms/med{v['median_ms'] or 0:.2f}"
                          for k, v in row["by_kind"].items())
-        print(f"{name:20s} {row['tok_s']:7.0f} tok/s {row['seconds']:.3f}s steps {row['steps']} "
+        print(f"{key:20s} {row['tok_s']:7.0f} tok/s {row['seconds']:.3f}s steps {row['steps']} "
               f"between {row['between_steps_seconds'] * 1e3:.0f}ms captures {row['captures']} "
               f"{row['capture_seconds'] * 1e3:.0f}ms {kinds}", flush=True)
         print("   longest (ms, kind, step, capture ms, running)", [x[:2] + x[3:] for x in row["longest_ms"][:8]],
               flush=True)
+    if args.repeats > 1:  # per row: median tokens/s over the repeats, and each repeat's
+        result["median_tok_s"] = {name: statistics.median(result["rows"][f"{name}#{rep}"]["tok_s"]
+                                                           for rep in range(args.repeats)) for name in rows}
+        print("median tok/s", {k: round(v) for k, v in result["median_tok_s"].items()}, flush=True)
     th.OUT.mkdir(parents=True, exist_ok=True)
     (th.OUT / "step_trace.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -9,7 +9,9 @@ kernel name, per step. Asserts nothing; prints a table and writes JSON.
 ``--quantization fp8|int4`` quantizes the decoder layers' projections first (``gpu_engine.quantize_model``),
 ``--no-fuse-act-quant`` turns off ``quant_tiles.FUSE_FP8_ACT_QUANT`` (on by default). Each row also counts
 kernel launches per step (``launches``): at batch 1 a launch's ramp-up and tail cost as much as a small kernel's
-work.
+work. Each mode also reports the GPU's idle time between kernels (``gaps``, from the profiler's trace: a kernel's
+start minus the previous kernel's end on its stream, summed per step, and per kernel name that the gap precedes):
+graph replay time minus kernel time, where it goes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,10 +38,10 @@ from specserve.models.shapes import shape_config  # noqa: E402
 
 @torch.inference_mode()
 def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
-                 steps: int, graphs: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """(Seconds of GPU time per step by kernel name, launches per step by kernel name): forward + LM head,
-    ``steps`` steps after a warm-up; the forward replays the runner's CUDA graph when ``graphs``, eager
-    otherwise."""
+                 steps: int, graphs: bool) -> tuple[dict[str, float], dict[str, float], dict]:
+    """(Seconds of GPU time per step by kernel name, launches per step by kernel name, idle gaps (``gaps``)):
+    forward + LM head, ``steps`` steps after a warm-up; the forward replays the runner's CUDA graph when
+    ``graphs``, eager otherwise."""
     ids, positions, query_lens, seq_lens, tables = ge.forward_inputs(runner, batch, context, query_len)
     forward = runner.graphs.run if graphs else runner.forward
     for _ in range(2):
@@ -57,7 +60,39 @@ def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context:
             per_name[ev.key] += ev.device_time_total * 1e-6 / steps  # device_time_total: microseconds
             launches[ev.key] += ev.count / steps
     order = sorted(per_name, key=lambda k: -per_name[k])
-    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}
+    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}, gaps(prof, steps)
+
+
+def gaps(prof: profile, steps: int, big_s: float = 50e-6) -> dict:
+    """Idle time of the GPU between consecutive kernels (and copies) of one stream, from the profiler's trace:
+    per step in all, per name of the kernel that the gap precedes, and per (previous, next) pair for the largest.
+    Gaps over ``big_s`` (the host between steps) are left out and counted apart."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_stream: dict = defaultdict(list)
+    for e in events:
+        by_stream[(e.get("pid"), e.get("tid"))].append(e)
+    total, skipped = 0.0, 0
+    before: dict[str, float] = defaultdict(float)
+    pairs: dict[str, float] = defaultdict(float)
+    for evs in by_stream.values():
+        evs.sort(key=lambda e: e["ts"])
+        for prev, nxt in zip(evs, evs[1:]):
+            gap = (nxt["ts"] - (prev["ts"] + prev["dur"])) * 1e-6  # trace times are microseconds
+            if gap > big_s:
+                skipped += 1
+                continue
+            gap = max(gap, 0.0)
+            total += gap
+            before[nxt["name"][:60]] += gap
+            pairs[f"{prev['name'][:40]} -> {nxt['name'][:40]}"] += gap
+    top = sorted(pairs, key=lambda k: -pairs[k])[:12]
+    return {"gap_s": total / steps, "skipped_over_big": skipped, "big_s": big_s,
+            "before_kernel_s": {k: v / steps for k, v in sorted(before.items(), key=lambda kv: -kv[1])},
+            "top_pairs_s": {k: pairs[k] / steps for k in top}}
 
 
 def main() -> int:
@@ -92,11 +127,14 @@ def main() -> int:
         row = out["by_query_len"][str(q)] = {"graph_replay_s": replay}
         print(f"q={q}: graph replay {replay * 1e3:.2f} ms")
         for mode in ("eager", "graph"):
-            kernels, launches = kernel_times(runner, device, args.batch, args.context, q, args.steps,
-                                             mode == "graph")
+            kernels, launches, idle = kernel_times(runner, device, args.batch, args.context, q, args.steps,
+                                                   mode == "graph")
             row[mode] = {"kernel_s_total": sum(kernels.values()), "launches": sum(launches.values()),
-                         "kernels_s": kernels, "launches_by_kernel": launches}
-            print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms, {sum(launches.values()):.0f} launches")
+                         "kernels_s": kernels, "launches_by_kernel": launches, "gaps": idle}
+            print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms, {sum(launches.values()):.0f} launches,"
+                  f" gaps {idle['gap_s'] * 1e3:.3f} ms")
+            for name, t in list(idle["before_kernel_s"].items())[:6]:
+                print(f"    gap {t * 1e6:8.1f} us before {name}")
             for name, t in list(kernels.items())[:16]:
                 print(f"    {t * 1e6:9.1f} us {launches[name]:6.0f}x  {name[:100]}")
     Path(args.out).write_text(json.dumps(out, indent=2))

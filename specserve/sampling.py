@@ -1,8 +1,14 @@
-"""Per-request sampling parameters. temperature == 0 means greedy."""
+"""Per-request sampling parameters. A temperature below ``GREEDY_TEMPERATURE`` (0 included) means greedy: the
+sampler divides fp32 logits by the temperature, and a tiny one (1e-40 is 0 or a denormal in fp32) turns them into
+infinities and the softmax into NaNs, so such a request is decoded greedily, which is what its distribution
+approaches anyway (vLLM draws the line at the same 1e-5)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily (the module docstring says why).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -30,4 +36,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: ``build_app(async_engine, served_model_name) -> FastAPI``.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(both streamed as server-sent events when ``stream`` is true) and ``GET /metrics`` (Prometheus).
+Endpoints: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
+``POST /v1/completions`` (both streamed as server-sent events when ``stream`` is true) and ``GET /metrics``
+(Prometheus).
 
 One request, in order (each step answers a 4xx ``{"error": {message, type, param, code}}`` on bad input):
 
@@ -111,6 +112,7 @@ def build_app(async_engine: Any, served_model_name: str | None = None, *,
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
@@ -158,8 +160,18 @@ async def health(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(request)])
+
+
+async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+    """``GET /v1/models/{id}`` (the client's ``models.retrieve``): the served model's card, else 404."""
+    _check_model(request, model_id)
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> ModelCard:
     state = request.app.state
-    return ModelList(data=[ModelCard(id=state.served_model_name, max_model_len=state.engine.max_model_len)])
+    return ModelCard(id=state.served_model_name, max_model_len=state.engine.max_model_len)
 
 
 async def render_metrics(request: Request) -> Response:
@@ -220,6 +232,10 @@ def _sampling_params(request: Request, req: ChatCompletionRequest | CompletionRe
             f"{prompt_field}: this model's maximum context length is {max_model_len} tokens, but the "
             f"{prompt_field} has {num_prompt} tokens, leaving no room for output", param=prompt_field,
             code="context_length_exceeded")
+    vocab_size = request.app.state.engine.tokenizer.vocab_size
+    if req.stop_token_ids and max(req.stop_token_ids) >= vocab_size:
+        raise APIError(f"stop_token_ids: token id {max(req.stop_token_ids)} is out of range (vocab size "
+                       f"{vocab_size})", param="stop_token_ids")
     max_tokens, max_tokens_field = req.requested_max_tokens()
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt

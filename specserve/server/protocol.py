@@ -7,7 +7,8 @@ FastAPI's default 422.
 
 Supported subset: one choice (``n == 1``), no logprobs, no penalties other than 0, text content parts only.
 ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM. Unknown fields are ignored, as
-OpenAI-compatible servers usually do.
+OpenAI-compatible servers usually do. An explicit ``null`` for a field with a default (``"n": null``,
+``"stream": null``, ...) means that default, as in OpenAI's API, whose clients may send such nulls.
 
 ``speculative`` (OpenAI clients send it through ``extra_body``) overrides the server's speculative decoding for
 one request: ``"off"``, or ``{"method": ..., "num_spec_tokens": ...}`` with either key optional (a missing one
@@ -130,6 +131,18 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     speculative: SpeculativeOptions | None = None  # "off" arrives as method "none"
 
+    @field_validator("stream", "n", "ignore_eos", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: Any) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be non-negative")
+        return v
+
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, v: int | None) -> int | None:
@@ -151,7 +164,7 @@ class _SamplingRequest(BaseModel):
     def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
-        if isinstance(v, list) and any(s == "" for s in v):
+        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
             raise ValueError("stop sequences must not be empty")
         return v
 
@@ -245,6 +258,11 @@ class CompletionRequest(_SamplingRequest):
         if v is not None:
             raise ValueError("logprobs are not supported")
         return v
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo_null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
 
     @field_validator("echo")
     @classmethod

@@ -34,6 +34,25 @@ def test_health_and_models(server: LiveServer) -> None:
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
+    assert client(server).models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_explicit_nulls_mean_the_defaults(server: LiveServer, endpoint: str) -> None:
+    # OpenAI's API takes null for its optional fields; clients that serialise every field send them.
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "ignore_eos": None,
+             "stop": None, "seed": None, "temperature": 0}
+    if endpoint == "chat":
+        path, body = "/chat/completions", {"messages": MESSAGES}
+    else:
+        path, body = "/completions", {"prompt": PROMPT, "echo": None}
+    with httpx.Client(base_url=server.api_url, timeout=60) as http:
+        plain = http.post(path, json={"model": server.model, "max_tokens": 8, "temperature": 0, **body})
+        nulled = http.post(path, json={"model": server.model, "max_tokens": 8, **nulls, **body})
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain.json()["choices"]
 
 
 def test_chat_completion(server: LiveServer) -> None:
@@ -224,6 +243,10 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (chat, {"messages": msgs, "frequency_penalty": -1}, 400, "frequency_penalty"),
         (chat, {"messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         (chat, {"messages": msgs, "stop": 7}, 400, "stop"),
+        (chat, {"messages": msgs, "stop": ""}, 400, "stop"),
+        (chat, {"messages": msgs, "stop": ["ok", ""]}, 400, "stop"),
+        (chat, {"messages": msgs, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+        (chat, {"messages": msgs, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
         (chat, {"messages": msgs, "stream": "yes"}, 400, "stream"),
         (chat, {"messages": msgs, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         (chat, {"messages": msgs, "speculative": 3}, 400, "speculative"),

@@ -59,6 +59,18 @@ def test_greedy_rows_take_argmax() -> None:
     assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None], random.Random(0)) == [1, 0]
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), temperature=st.sampled_from([5e-324, 1e-300, 1e-45, 1e-40, 1e-38, 1e-20, 9.9e-6]))
+def test_a_tiny_temperature_samples_the_argmax(seed, temperature) -> None:
+    # Dividing fp32 logits by such a temperature overflows (1e-40 is a denormal, 5e-324 is 0 in fp32); the
+    # request is greedy instead of drawing the vocabulary's last token from NaN probabilities.
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)) * 4
+    params = SamplingParams(temperature=temperature, top_p=0.9, top_k=20)
+    assert params.greedy
+    got = sample(logits, [params] * 3, [random.Random(seed)] * 3, random.Random(0))
+    assert got == logits.argmax(dim=-1).tolist()
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5), vocab=st.integers(2, 40), zero_every=st.integers(2, 5))
 def test_draw_tokens_inverts_the_cumulative_distribution(seed, rows, vocab, zero_every) -> None:

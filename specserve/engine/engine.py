@@ -43,7 +43,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Request, RequestOutput
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.stats import RequestStats, StepStats
-from specserve.layers.sampler import sample_on_device
+from specserve.layers.sampler import TokenUniforms, sample_on_device
 from specserve.sampling import SamplingParams
 from specserve.spec.draft_graphs import INGEST_MAX_ENTRIES
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
@@ -107,7 +107,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.rng = random.Random(config.seed)  # draws of sampled rows without a stream (none the engine makes)
+        self.rng = TokenUniforms(config.seed)  # draws of sampled rows without a stream (none the engine makes)
         # seeds of unseeded sampled requests' streams, drawn on the host in arrival order (reproducible from
         # config.seed; independent of batch composition, which asynchronous decode steps change)
         self._request_seeds = random.Random(config.seed)
@@ -202,9 +202,9 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         rng = None
         if params.seed is not None:
-            rng = random.Random(params.seed)
+            rng = TokenUniforms(params.seed)
         elif not params.greedy:  # its own stream, so its draws do not depend on who shares its steps
-            rng = random.Random(self._request_seeds.getrandbits(63))
+            rng = TokenUniforms(self._request_seeds.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer

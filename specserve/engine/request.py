@@ -17,14 +17,17 @@ the step that sampled them is committed.
 from __future__ import annotations
 
 import enum
-import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.sampling import SamplingParams
 from specserve.spec.params import SPEC_OFF, SpecCounters, SpecParams
+
+if TYPE_CHECKING:
+    from specserve.layers.sampler import TokenUniforms
 
 PENDING_TOKEN_ID = -1  # a sampled token still on the device (see num_pending_tokens)
 
@@ -63,7 +66,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled by a step not yet committed (asynchronous decode steps)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    rng: random.Random | None = None  # the request's own stream of uniforms (sampled requests)
+    rng: TokenUniforms | None = None  # the request's own stream of uniforms (sampled requests)
     # text state
     output_text: str = ""  # full detokenized text, truncated at a stop string
     num_text_emitted: int = 0  # chars of output_text already streamed

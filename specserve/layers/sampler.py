@@ -4,21 +4,49 @@
 top-p are applied; the speculative verifier uses the same function, so speculation is lossless with
 respect to what plain sampling would do.
 
-Randomness: every sampled request owns a host stream (``random.Random``, seeded by the request's seed or,
-unseeded, by the engine's seed in arrival order), so a request's draws do not depend on what else shares its
-batch. A draw takes one uniform from the stream and inverts the row's cumulative distribution on the device
-(``draw_tokens``): the uniforms of a whole batch go over in one copy and every row is drawn in the same few
+Randomness: every sampled request owns a host stream of uniforms (``TokenUniforms``, seeded by the request's
+seed or, unseeded, by the engine's seed in arrival order), so a request's draws do not depend on what else
+shares its batch. A draw takes one uniform from the stream and inverts the row's cumulative distribution on the
+device (``draw_tokens``): the uniforms of a whole batch go over in one copy and every row is drawn in the same few
 launches, where one ``torch.multinomial`` per row with its own generator costs launches per row (at 256 sampled
 rows that made a SmolLM2 decode step 8x slower than greedy on an H200: ``benchmarks/sampling_gpu.py``).
+The n-th uniform a request consumes draws its n-th output token, whether plain sampling or the speculative
+verifier emits it (``spec/verify.py``), so seeded output does not depend on drafts.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
+from itertools import islice
 
 import torch
 
 from specserve.sampling import SamplingParams
+
+
+class TokenUniforms:
+    """A request's uniforms in [0, 1), in order: ``random()`` consumes the next one, ``peek(n)`` returns the next
+    n without consuming them, ``advance(n)`` consumes n. The sequence is ``random.Random(seed)``'s, whatever mix of
+    these calls reads it.
+
+    Example: seed s gives u0 u1 u2 u3 ...; peek(3) -> [u0, u1, u2]; advance(2); random() -> u2; peek(1) -> [u3]."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+        self._ahead: deque[float] = deque()  # drawn by peek, not yet consumed
+
+    def random(self) -> float:
+        return self._ahead.popleft() if self._ahead else self._rng.random()
+
+    def peek(self, n: int) -> list[float]:
+        while len(self._ahead) < n:
+            self._ahead.append(self._rng.random())
+        return list(islice(self._ahead, n))
+
+    def advance(self, n: int) -> None:
+        for _ in range(n):
+            self.random()
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -85,8 +113,8 @@ def draw_tokens(
 def sample(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32
     params: list[SamplingParams],  # [num_rows]
-    streams: list[random.Random | None],  # [num_rows] per-request streams; None -> default_stream
-    default_stream: random.Random,
+    streams: list[TokenUniforms | None],  # [num_rows] per-request streams; None -> default_stream
+    default_stream: TokenUniforms,
 ) -> list[int]:
     """One token per row, read back to the host (``sample_on_device``'s draws)."""
     return sample_on_device(logits, params, streams, default_stream).tolist()
@@ -95,8 +123,8 @@ def sample(
 def sample_on_device(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32
     params: list[SamplingParams],  # [num_rows]
-    streams: list[random.Random | None],  # [num_rows] per-request streams; None -> default_stream
-    default_stream: random.Random,
+    streams: list[TokenUniforms | None],  # [num_rows] per-request streams; None -> default_stream
+    default_stream: TokenUniforms,
 ) -> torch.Tensor:  # [num_rows] int64, on logits' device
     """One token per row, left on the device (so that the engine's next asynchronous decode step can take them as
     its input ids before the host has seen them): the argmax of greedy rows, for the others a ``draw_tokens``

@@ -12,10 +12,28 @@ after the request's temperature, top-k and top-p, exactly as plain sampling woul
     if all k were accepted: emit y ~ p_{k+1}                             (bonus token)
 
 Each emitted token is then distributed exactly as ``p`` (the theorem of the paper), so speculation never
-changes what a request samples from. A deterministic drafter (n-gram lookup, greedy draft heads) is a
-one-hot ``q``: the test becomes ``u < p_j(x_j)`` and the residual is ``p_j`` with ``x_j`` removed.
-For greedy requests ``p_j`` is one-hot on the target's argmax, so the rule reduces to "accept while the
-draft equals the target's argmax, then emit the target's argmax".
+changes what a request samples from. For greedy requests ``p_j`` is one-hot on the target's argmax, so the rule
+reduces to "accept while the draft equals the target's argmax, then emit the target's argmax".
+
+Deterministic drafters (n-gram lookup, the EAGLE-3 and P-EAGLE heads, all of which draft argmaxes) have a
+one-hot ``q``. For them the chain runs in an equivalent, position-coupled form: with ``u_j`` the request's
+uniform for the output position that draft j would fill (``TokenUniforms``: the n-th uniform a request consumes
+draws its n-th output token),
+
+    for j in 1..k+1:
+        y_j = inverse-CDF draw from p_j with u_j       (what plain sampling would emit at that position)
+        if j <= k and y_j == x_j: accept x_j
+        else: emit y_j and stop
+
+and the request consumes one uniform per emitted token. It is the same chain in law: x_j is accepted with
+probability p_j(x_j) (the one-hot ``u < p_j(x_j)``), and a rejected position emits y_j given y_j != x_j, i.e. a
+draw from ``p_j`` with ``x_j`` removed (the one-hot residual); so acceptance rates and output distribution are
+the rule's above. And every emitted token is the token plain sampling draws at its position from the same
+uniform, since the drafts depend only on the prefix: a seeded request's output is the same with and without
+speculation, for any number of drafts a step (an adaptive cap that follows timings included), up to the rounding
+in which a verify forward's logits differ from a decode forward's. A drafter with its own distribution ``q`` (the
+draft model) keeps the chain above, whose acceptance ``sum_x min(p, q)`` this coupling would lower, and its output
+then depends on its draws.
 
 Rows of ``target_logits`` are packed per request, ``1 + num_draft_tokens`` each:
 
@@ -24,12 +42,12 @@ Rows of ``target_logits`` are packed per request, ``1 + num_draft_tokens`` each:
 
 from __future__ import annotations
 
-import random
+from collections import Counter
 from itertools import accumulate
 
 import torch
 
-from specserve.layers.sampler import draw_tokens, host_to_device, target_probs
+from specserve.layers.sampler import TokenUniforms, draw_tokens, host_to_device, target_probs
 from specserve.sampling import SamplingParams
 
 
@@ -39,8 +57,8 @@ def verify(
     draft_token_ids: list[list[int]],  # [num_requests][num_draft_tokens_i]
     draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_tokens_i, vocab_size] or None (one-hot)
     params: list[SamplingParams],  # [num_requests]
-    streams: list[random.Random | None],  # [num_requests] per-request streams; None -> default_stream
-    default_stream: random.Random,
+    streams: list[TokenUniforms | None],  # [num_requests] per-request streams; None -> default_stream
+    default_stream: TokenUniforms,
 ) -> list[list[int]]:  # [num_requests] accepted draft tokens + one recovered or bonus token
     out: list[list[int]] = [[] for _ in params]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -69,12 +87,57 @@ def _verify_sampled(
     probs: torch.Tensor,  # [sum(num_draft_i + 1), vocab_size] target distributions, packed per request
     drafts: list[list[int]],  # [num_requests][num_draft_i]
     draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_i, vocab_size] or None (one-hot)
-    streams: list[random.Random],  # [num_requests]
+    streams: list[TokenUniforms],  # [num_requests]
 ) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
-    """The chain test for every sampled request at once. Each request takes ``num_draft + 1`` uniforms of its
-    stream, in request order: its accept tests, then its recovered or bonus token (without drafts, plain
-    sampling's one draw). p_j(x_j) and q_j(x_j) of every draft come to the host in one read, and every
-    request's final distribution (the residual after a rejection, else the bonus row) is drawn in one
+    """Every sampled request at once: those with one-hot drafts or none take the position-coupled form (module
+    docstring; without drafts it is plain sampling's one draw), those with a draft distribution the chain
+    (``_verify_chain``). The coupled requests' rows are all drawn in one ``draw_tokens`` and read once.
+
+    Example: drafts [[a1, a2], [], [c1]], all one-hot -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2], uniforms
+    peeked [ua1 ua2 ua3 | ub1 | uc1 uc2]; draws [a1, y, z | y' | d, y'']: request a emits [a1, y] (y != a2) and
+    consumes 2 uniforms, b emits [y'] (1), c emits [d] (d != c1; 1, so uc2 draws c's next token)."""
+    starts = _offsets([len(d) + 1 for d in drafts])  # each request's first row in probs
+    out: list[list[int]] = [[] for _ in drafts]
+    chain = [i for i, d in enumerate(drafts) if d and draft_probs[i] is not None]
+    coupled = [i for i, d in enumerate(drafts) if not (d and draft_probs[i] is not None)]
+    if coupled:
+        rows = host_to_device([starts[i] + j for i in coupled for j in range(len(drafts[i]) + 1)], torch.int64,
+                              probs.device)  # [num_coupled_rows]
+        # A stream shared by several requests (the default one) cannot be peeked for each: its requests consume
+        # one uniform per row instead, fresh draws all the same, but not one per output position.
+        uses = Counter(id(streams[i]) for i in coupled)
+        uniforms = [u for i in coupled for u in (streams[i].peek(len(drafts[i]) + 1) if uses[id(streams[i])] == 1
+                                                 else [streams[i].random() for _ in range(len(drafts[i]) + 1)])]
+        drawn = draw_tokens(probs.index_select(0, rows), uniforms).tolist()  # [num_coupled_rows]
+        at = 0
+        for i in coupled:
+            d, y = drafts[i], drawn[at:at + len(drafts[i]) + 1]
+            at += len(d) + 1
+            n = 0
+            while n < len(d) and y[n] == d[n]:
+                n += 1
+            out[i] = y[:n + 1]  # the accepted drafts (equal to their draws), then the first draw that differs
+            if uses[id(streams[i])] == 1:
+                streams[i].advance(n + 1)
+    if chain:
+        rows = host_to_device([starts[i] + j for i in chain for j in range(len(drafts[i]) + 1)], torch.int64,
+                              probs.device)  # [num_chain_rows]
+        for i, toks in zip(chain, _verify_chain(probs.index_select(0, rows), [drafts[i] for i in chain],
+                                                [draft_probs[i] for i in chain], [streams[i] for i in chain])):
+            out[i] = toks
+    return out
+
+
+def _verify_chain(
+    probs: torch.Tensor,  # [sum(num_draft_i + 1), vocab_size] target distributions, packed per request
+    drafts: list[list[int]],  # [num_requests][num_draft_i]
+    draft_probs: list[torch.Tensor | None],  # [num_requests] each [num_draft_i, vocab_size] or None (one-hot)
+    streams: list[TokenUniforms],  # [num_requests]
+) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
+    """The chain test of the module docstring for these requests at once. Each request takes ``num_draft + 1``
+    uniforms of its stream, in request order: its accept tests, then its recovered or bonus token (without
+    drafts, plain sampling's one draw). p_j(x_j) and q_j(x_j) of every draft come to the host in one read, and
+    every request's final distribution (the residual after a rejection, else the bonus row) is drawn in one
     ``draw_tokens``: two device reads per step, whatever the number of requests.
 
     Example: drafts [[a1, a2], [], [c1]] -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2] (starts 0, 3, 4); with a1

@@ -1,8 +1,8 @@
 """Golden equivalence on the real model: SmolLM2-135M-Instruct (fp32, the production CPU path with the
 quantized kernels) decodes the same greedy tokens with every drafter as without speculation, alone and
-batched, with chunked prefill; SmolLM2 drafting for itself is always accepted; the EAGLE-3 head the repository
-ships (``make serve``'s default drafter) and its P-EAGLE head are lossless and accepted far more often than a
-random head."""
+batched, with chunked prefill, and the same seeded sampled tokens with ``make serve``'s drafter; SmolLM2 drafting
+for itself is always accepted; the EAGLE-3 head the repository ships (``make serve``'s default drafter) and its
+P-EAGLE head are lossless and accepted far more often than a random head."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def test_adaptive_speculation_keeps_plain_greedy_on_smollm2(parts, prompt_ids, p
     assert [r.output_ids for r in served.generate(prompt_ids[::-1], GREEDY)] == plain[::-1]  # policy warm now
     tried = {arm for arms in served.spec_policy.stats.values() for arm, s in arms.items() if s.goodput}
     assert len(tried) >= 2, served.spec_policy.snapshot()
+
+
+def test_seeded_sampling_under_make_serves_drafter_equals_plain_sampling_on_smollm2(parts, prompt_ids) -> None:
+    """Seeded sampled requests get the tokens plain sampling draws, token for token, with `make serve`'s
+    drafter and adaptive policy (the position-coupled verifier, spec/verify.py)."""
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=20 + i, ignore_eos=True)
+              for i in range(len(prompt_ids))]
+    want = [r.output_ids for r in engine(parts, SpecConfig()).generate(prompt_ids, params)]
+    spec = SpecConfig(method="eagle3", model=str(DEFAULT_EAGLE3_HEAD), num_spec_tokens=3, adaptive=True)
+    served = engine(parts, spec, budget=48)
+    reqs = served.generate(prompt_ids, params)
+    assert [r.output_ids for r in reqs] == want
+    assert sum(r.spec_counters.num_accepted_tokens for r in reqs) > 0
 
 
 @pytest.mark.parametrize("method", list(DRAFTERS))

@@ -9,14 +9,12 @@ between), arrivals and aborts mid-run; no KV block, pending token or in-flight s
 
 from __future__ import annotations
 
-import random
-
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.engine.request import PENDING_TOKEN_ID, Request
-from specserve.layers.sampler import sample, sample_on_device
+from specserve.layers.sampler import TokenUniforms, sample, sample_on_device
 from specserve.sampling import SamplingParams
 from specserve.spec.verify import verify
 from tests.tiny import prompts, tiny_engine
@@ -136,7 +134,7 @@ def test_sample_on_device_draws_what_the_verifier_draws_without_drafts(seed, row
               for i in range(rows)]
 
     def gens():  # per-request streams for two rows in three, the default one for the rest
-        return [random.Random(seed + i) if i % 3 else None for i in range(rows)], random.Random(seed)
+        return [TokenUniforms(seed + i) if i % 3 else None for i in range(rows)], TokenUniforms(seed)
     on_device = sample_on_device(logits, params, *gens())
     verified = verify(logits, list(range(rows)), [[] for _ in range(rows)], [None] * rows, params, *gens())
     assert on_device.tolist() == [toks[0] for toks in verified] == sample(logits, params, *gens())

@@ -1,8 +1,11 @@
 """Golden equivalence on tiny fp32 models: speculative greedy output == plain greedy output, token for token,
-for every proposer, several num_spec_tokens, batch 1 and 6, chunked prefill and forced preemption; a draft
-identical to the target is always accepted; stop conditions inside an accepted run; nothing leaks."""
+for every proposer, several num_spec_tokens, batch 1 and 6, chunked prefill and forced preemption; seeded
+sampled output with one-hot drafts == plain seeded sampled output, token for token; a draft identical to the
+target is always accepted; stop conditions inside an accepted run; nothing leaks."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from specserve.config import SpecConfig
 from specserve.sampling import SamplingParams
 from specserve.spec.params import SpecParams
+from specserve.spec.proposer import Draft
 from tests.tiny import prompts, tiny_engine
 
 LENGTHS = [5, 17, 3, 40, 9, 23]
@@ -137,6 +141,71 @@ def test_no_draft_is_proposed_past_the_context_limit(plain) -> None:
     for p, r in zip(ps, reqs):
         assert r.num_tokens == max_model_len and r.finish_reason == "length"
         assert r.output_ids == plain[tuple(p)][:max_model_len - len(p)] or len(plain[tuple(p)]) < len(r.output_ids)
+    assert_clean(engine)
+
+
+SAMPLED = [SamplingParams(max_tokens=24, temperature=[0.7, 1.0][i % 2], top_p=[0.9, 1.0][i % 3 == 0],
+                          top_k=[0, 8][i % 2], seed=100 + i, ignore_eos=True) for i in range(len(LENGTHS))]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled() -> list[list[int]]:
+    return [r.output_ids for r in tiny_engine().generate(prompts(LENGTHS), SAMPLED)]
+
+
+class CopyingProposer:
+    """One-hot drafts that copy a known continuation of each prompt, each draft right with probability ``right``
+    (else a random token), so that verification sees long accepted runs, early rejections and everything
+    between."""
+
+    method = "ngram"
+    aux_layer_ids = ()
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], right: float, seed: int) -> None:
+        self.continuations, self.right, self.rng = continuations, right, random.Random(seed)
+
+    def observe(self, chunks, aux_hidden) -> None:
+        pass
+
+    def propose(self, requests, num_spec_tokens: list[int]) -> list[Draft]:
+        drafts = []
+        for req, k in zip(requests, num_spec_tokens):
+            cont, at = self.continuations[tuple(req.prompt_ids)], len(req.output_ids)
+            drafts.append(Draft([cont[at + j] if at + j < len(cont) and self.rng.random() < self.right
+                                 else self.rng.randrange(97) for j in range(k)]))
+        return drafts
+
+    def free(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("k", "right", "tight"), [(1, 0.9, False), (3, 0.6, False), (5, 0.97, False),
+                                                   (4, 0.8, True)])
+def test_seeded_sampling_with_one_hot_drafts_equals_plain_sampling(plain_sampled, k, right, tight) -> None:
+    """The verifier draws a one-hot-drafted position with the uniform plain sampling would use there
+    (spec/verify.py), so seeded output does not depend on the drafts: token for token the plain engine's, with
+    accepted runs of every length, chunked prefill and (``tight``) preemption."""
+    ps = prompts(LENGTHS)
+    proposer = CopyingProposer({tuple(p): out for p, out in zip(ps, plain_sampled)}, right, seed=k)
+    kw = dict(num_blocks=24, max_num_batched_tokens=32) if tight else dict(max_num_batched_tokens=7)
+    engine = tiny_engine(spec=SpecConfig(method="ngram", num_spec_tokens=k), proposers={"ngram": proposer}, **kw)
+    reqs = engine.generate(ps, SAMPLED)
+    assert [r.output_ids for r in reqs] == plain_sampled
+    accepted = [r.spec_counters.num_accepted_tokens for r in reqs]
+    assert sum(accepted) > len(reqs) * k and any(h[k] for h in (r.spec_counters.acceptance_histogram for r in reqs)
+                                                 if len(h) > k), "drafts were meant to be accepted, all k at times"
+    assert not tight or sum(r.num_preemptions for r in reqs) > 0, "the cache was meant to be too small"
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "peagle"])
+def test_seeded_sampling_with_each_one_hot_proposer_equals_plain_sampling(plain_sampled, method: str,
+                                                                          adaptive: bool) -> None:
+    """Also under the adaptive policy, whose caps follow measured step times: the drafts change, the output
+    does not."""
+    engine = tiny_engine(spec=SpecConfig(method=method, model=METHODS[method], num_spec_tokens=3, adaptive=adaptive))
+    assert [r.output_ids for r in engine.generate(prompts(LENGTHS), SAMPLED)] == plain_sampled
     assert_clean(engine)
 
 

@@ -1,16 +1,15 @@
-"""The verifier on synthetic logits: greedy acceptance rules, ragged batches, and the output distribution of
-chain rejection sampling at temperature 0.8 / top-p 0.9 against the target's own distribution."""
+"""The verifier on synthetic logits: greedy acceptance rules, ragged batches, the output distribution of chain
+rejection sampling at temperature 0.8 / top-p 0.9 against the target's own distribution, and, for one-hot
+drafts, the position-coupled form: the tokens plain sampling draws, whatever the drafts."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.sampler import draw_tokens, target_probs
+from specserve.layers.sampler import TokenUniforms, draw_tokens, sample, target_probs
 from specserve.sampling import SamplingParams
 from specserve.spec.verify import verify
 
@@ -29,7 +28,7 @@ def run_greedy(rows: list[list[int]], drafts: list[list[int]]) -> list[list[int]
     logits = logits_with_argmax([t for r in rows for t in r])
     starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
     return verify(logits, starts, drafts, [None] * len(rows), [GREEDY] * len(rows), [None] * len(rows),
-                  random.Random(0))
+                  TokenUniforms(0))
 
 
 def test_greedy_perfect_match_emits_all_drafts_and_the_bonus_token() -> None:
@@ -54,7 +53,7 @@ def test_ragged_batch_keeps_requests_apart() -> None:
 def test_random_row_with_one_hot_draft_never_emits_a_token_outside_top_p() -> None:
     vocab = 6
     logits = torch.tensor([[4.0, 3.9, -5.0, -5.0, -5.0, -5.0]] * 3)  # top-p keeps tokens 0 and 1 only
-    stream = random.Random(0)
+    stream = TokenUniforms(0)
     seen = set()
     for _ in range(200):
         out = verify(logits, [0], [[5, 0]], [None], [HOT], [None], stream)[0]
@@ -67,8 +66,8 @@ def test_seeded_requests_are_reproducible() -> None:
     logits = torch.randn(4, 13, generator=torch.Generator().manual_seed(3))
     outs = []
     for _ in range(2):
-        stream = random.Random(42)
-        outs.append([verify(logits, [0], [[1, 2, 3]], [None], [HOT], [stream], random.Random())[0]
+        stream = TokenUniforms(42)
+        outs.append([verify(logits, [0], [[1, 2, 3]], [None], [HOT], [stream], TokenUniforms())[0]
                      for _ in range(20)])
     assert outs[0] == outs[1]
 
@@ -91,7 +90,7 @@ def sample_verified(target_logits: torch.Tensor, draft_probs: torch.Tensor, num_
     """Run the verifier ``num_samples`` times with drafts drawn from ``draft_probs``; returns the counts of the
     first emitted token, and of the second one among samples that emitted at least two."""
     gen = torch.Generator().manual_seed(seed)  # the drafts
-    stream = random.Random(seed)  # the verifier's draws
+    stream = TokenUniforms(seed)  # the verifier's draws
     num_draft = draft_probs.shape[0]
     first = torch.zeros(VOCAB)
     second = torch.zeros(VOCAB)
@@ -165,20 +164,28 @@ def test_a_batch_verifies_each_request_as_if_it_were_alone(seed, kinds, lengths)
     for i, d in enumerate(drafts):
         for j, t in enumerate(d):
             logits[starts[i] + j, t] += float(torch.rand((), generator=gen)) * 4
-    streams = [random.Random(seed + i) for i in range(len(drafts))]
-    together = verify(logits, starts, drafts, draft_probs, params, streams, random.Random(0))
+    streams = [TokenUniforms(seed + i) for i in range(len(drafts))]
+    together = verify(logits, starts, drafts, draft_probs, params, streams, TokenUniforms(0))
     alone = [verify(logits[starts[i]:starts[i] + sizes[i]], [0], [drafts[i]], [draft_probs[i]], [params[i]],
-                    [random.Random(seed + i)], random.Random(0))[0] for i in range(len(drafts))]
+                    [TokenUniforms(seed + i)], TokenUniforms(0))[0] for i in range(len(drafts))]
     assert together == alone
     for d, out in zip(drafts, together):
         assert 1 <= len(out) <= len(d) + 1 and out[:-1] == d[:len(out) - 1]
 
 
 def chain_oracle(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                 params: SamplingParams, stream: random.Random) -> list[int]:
-    """One request's chain rejection sampling written out step by step on the host (the rule of the module
-    docstring): ``logits`` [len(drafts) + 1, vocab], ``draft_probs`` [len(drafts), vocab] or None (one-hot)."""
+                 params: SamplingParams, stream: TokenUniforms) -> list[int]:
+    """One request's verification written out step by step on the host (the rules of the module docstring):
+    ``logits`` [len(drafts) + 1, vocab], ``draft_probs`` [len(drafts), vocab] (the chain) or None (one-hot
+    drafts, or none: the position-coupled form, one row drawn at a time)."""
     probs = target_probs(logits, [params] * logits.shape[0])
+    if draft_probs is None or not drafts:
+        out = []
+        for j in range(len(drafts) + 1):
+            y = int(draw_tokens(probs[j:j + 1], [stream.random()])[0])
+            out.append(y)
+            if j == len(drafts) or y != drafts[j]:
+                return out
     us = [stream.random() for _ in range(len(drafts) + 1)]
     n = 0
     while n < len(drafts):
@@ -224,8 +231,69 @@ def test_the_batched_device_test_draws_what_the_step_by_step_chain_draws(seed, k
         for j, t in enumerate(d):
             logits[starts[i] + j, t] += near * float(torch.rand((), generator=gen))
     params = [HOT if i % 2 else SamplingParams(temperature=1.3) for i in range(len(drafts))]
-    got = verify(logits, starts, drafts, draft_probs, params, [random.Random(seed + i) for i in range(len(drafts))],
-                 random.Random(0))
+    got = verify(logits, starts, drafts, draft_probs, params, [TokenUniforms(seed + i) for i in range(len(drafts))],
+                 TokenUniforms(0))
     want = [chain_oracle(logits[starts[i]:starts[i] + sizes[i]], drafts[i], draft_probs[i], params[i],
-                         random.Random(seed + i)) for i in range(len(drafts))]
+                         TokenUniforms(seed + i)) for i in range(len(drafts))]
     assert got == want
+
+
+def plain_then_speculative(seed: int, vocab: int, length: int, plan: list[tuple[int, float]]):
+    """A toy target whose logits are a fixed function of the last two tokens; sampled output of ``length``
+    tokens from one stream plainly (one draw a step), then speculatively from a fresh stream of the same seed,
+    each step proposing ``k`` one-hot drafts that copy the plain output with probability ``right`` per draft
+    (else a random token): ``plan`` gives (k, right) per step, cycled."""
+    table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 2.5
+
+    def logits_after(prefix: list[int]) -> torch.Tensor:  # [vocab]
+        return table[prefix[-2], prefix[-1]]
+
+    params = SamplingParams(temperature=0.9, top_k=[0, 6][seed % 2], top_p=[1.0, 0.85][seed % 3 == 0])
+    stream, plain = TokenUniforms(seed), [1, 2]
+    while len(plain) < length + 2:
+        plain += sample(logits_after(plain)[None], [params], [stream], TokenUniforms(0))
+    gen = torch.Generator().manual_seed(seed + 1)
+    stream, spec, step = TokenUniforms(seed), [1, 2], 0
+    while len(spec) < length + 2:
+        k, right = plan[step % len(plan)]
+        step += 1
+        drafts = []
+        for j in range(k):
+            at = len(spec) + j
+            good = at < len(plain) and float(torch.rand((), generator=gen)) < right
+            drafts.append(plain[at] if good else int(torch.randint(0, vocab, (), generator=gen)))
+        rows = torch.stack([logits_after(spec + drafts[:j]) for j in range(k + 1)])  # [k + 1, vocab]
+        spec += verify(rows, [0], [drafts], [None], [params], [stream], TokenUniforms(0))[0]
+    return plain[2:length + 2], spec[2:length + 2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), plan=st.lists(st.tuples(st.integers(0, 6), st.floats(0.0, 1.0)),
+                                                     min_size=1, max_size=5))
+def test_one_hot_drafts_emit_the_tokens_plain_sampling_draws(seed, plan) -> None:
+    """Seeded sampled output is the same token for token with or without speculation, whatever the drafts
+    (right, wrong, outside top-k / top-p) and however many a step (0 to 6, changing from step to step, as an
+    adaptive cap does)."""
+    plain, spec = plain_then_speculative(seed, vocab=12, length=40, plan=plan)
+    assert spec == plain
+
+
+def test_one_hot_drafts_are_accepted_with_the_target_probability() -> None:
+    """The coupled form accepts a one-hot draft with probability p(x), as the chain's ``u < p(x)`` does, and a
+    rejected position emits p with x removed."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0] * 5])  # row 0 for the draft, row 1 the bonus
+    params = SamplingParams(temperature=1.0)
+    p = target_probs(logits[:1], [params])[0]
+    stream, n, accepted, after_reject = TokenUniforms(5), 20_000, 0, torch.zeros(5)
+    for _ in range(n):
+        out = verify(logits, [0], [[1]], [None], [params], [stream], TokenUniforms(0))[0]
+        if out[0] == 1:
+            accepted += 1
+            assert len(out) == 2
+        else:
+            after_reject[out[0]] += 1
+    assert abs(accepted / n - float(p[1])) < 4 * (float(p[1] * (1 - p[1])) / n) ** 0.5
+    residual = p.clone()
+    residual[1] = 0
+    assert total_variation(after_reject, residual / residual.sum()) < 0.02
+    assert after_reject[1] == 0

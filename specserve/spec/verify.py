@@ -91,34 +91,54 @@ def _verify_sampled(
 ) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
     """Every sampled request at once: those with one-hot drafts or none take the position-coupled form (module
     docstring; without drafts it is plain sampling's one draw), those with a draft distribution the chain
-    (``_verify_chain``). The coupled requests' rows are all drawn in one ``draw_tokens`` and read once.
+    (``_verify_chain``).
+
+    The coupled form needs the full inverse-CDF draw only where it emits a token that is not a draft: draft x_j
+    equals the draw y_j exactly when ``u_j * total_j`` falls in x_j's interval of the row's cumulative mass,
+    ``[mass before x_j, mass before x_j + p_j(x_j))`` (``draw_tokens``' rule; fp64 sums), so the drafts are
+    tested with two row sums and one gather, and one row per request (the first rejected, else the bonus) is
+    drawn. Two device reads, whatever the number of requests.
 
     Example: drafts [[a1, a2], [], [c1]], all one-hot -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2], uniforms
-    peeked [ua1 ua2 ua3 | ub1 | uc1 uc2]; draws [a1, y, z | y' | d, y'']: request a emits [a1, y] (y != a2) and
-    consumes 2 uniforms, b emits [y'] (1), c emits [d] (d != c1; 1, so uc2 draws c's next token)."""
+    peeked [ua1 ua2 ua3 | ub1 | uc1 uc2]; a1 inside its interval, a2 and c1 outside theirs: rows pa2, pb1, pc1 are
+    drawn with ua2, ub1, uc1 -> [a1, y] [y'] [y'']; a consumes 2 uniforms, b and c 1 (uc2 draws c's next token)."""
     starts = _offsets([len(d) + 1 for d in drafts])  # each request's first row in probs
     out: list[list[int]] = [[] for _ in drafts]
     chain = [i for i, d in enumerate(drafts) if d and draft_probs[i] is not None]
     coupled = [i for i, d in enumerate(drafts) if not (d and draft_probs[i] is not None)]
     if coupled:
-        rows = host_to_device([starts[i] + j for i in coupled for j in range(len(drafts[i]) + 1)], torch.int64,
-                              probs.device)  # [num_coupled_rows]
+        device = probs.device
         # A stream shared by several requests (the default one) cannot be peeked for each: its requests consume
         # one uniform per row instead, fresh draws all the same, but not one per output position.
         uses = Counter(id(streams[i]) for i in coupled)
-        uniforms = [u for i in coupled for u in (streams[i].peek(len(drafts[i]) + 1) if uses[id(streams[i])] == 1
-                                                 else [streams[i].random() for _ in range(len(drafts[i]) + 1)])]
-        drawn = draw_tokens(probs.index_select(0, rows), uniforms).tolist()  # [num_coupled_rows]
-        at = 0
-        for i in coupled:
-            d, y = drafts[i], drawn[at:at + len(drafts[i]) + 1]
-            at += len(d) + 1
-            n = 0
-            while n < len(d) and y[n] == d[n]:
-                n += 1
-            out[i] = y[:n + 1]  # the accepted drafts (equal to their draws), then the first draw that differs
-            if uses[id(streams[i])] == 1:
-                streams[i].advance(n + 1)
+        own = {i: uses[id(streams[i])] == 1 for i in coupled}
+        uniforms = {i: streams[i].peek(len(drafts[i]) + 1) if own[i]
+                    else [streams[i].random() for _ in range(len(drafts[i]) + 1)] for i in coupled}
+        accepted = dict.fromkeys(coupled, 0)
+        drafted = [i for i in coupled if drafts[i]]
+        if drafted:
+            rows = host_to_device([starts[i] + j for i in drafted for j in range(len(drafts[i]))], torch.int64,
+                                  device)  # [num_drafts]
+            ids = host_to_device([t for i in drafted for t in drafts[i]], torch.int64, device)  # [num_drafts]
+            p = probs.index_select(0, rows)  # [num_drafts, vocab_size]
+            before = torch.arange(p.shape[1], device=device)[None, :] < ids[:, None]  # [num_drafts, vocab_size]
+            lo = torch.where(before, p, 0.0).sum(dim=-1, dtype=torch.float64)  # [num_drafts] mass before x_j
+            px = p.gather(1, ids[:, None]).squeeze(1).double()  # [num_drafts] p_j(x_j)
+            total = p.sum(dim=-1, dtype=torch.float64)  # [num_drafts]
+            lo_h, px_h, total_h = torch.stack([lo, px, total]).tolist()
+            at = 0
+            for i in drafted:
+                u, n = uniforms[i], 0
+                while n < len(drafts[i]) and lo_h[at + n] <= u[n] * total_h[at + n] < lo_h[at + n] + px_h[at + n]:
+                    n += 1
+                accepted[i] = n
+                at += len(drafts[i])
+        final = host_to_device([starts[i] + accepted[i] for i in coupled], torch.int64, device)  # [num_coupled]
+        tokens = draw_tokens(probs.index_select(0, final), [uniforms[i][accepted[i]] for i in coupled]).tolist()
+        for i, tok in zip(coupled, tokens):
+            out[i] = drafts[i][:accepted[i]] + [tok]  # the accepted drafts, then the draw at the next position
+            if own[i]:
+                streams[i].advance(accepted[i] + 1)
     if chain:
         rows = host_to_device([starts[i] + j for i in chain for j in range(len(drafts[i]) + 1)], torch.int64,
                               probs.device)  # [num_chain_rows]

@@ -10,8 +10,10 @@ shares its batch. A draw takes one uniform from the stream and inverts the row's
 device (``draw_tokens``): the uniforms of a whole batch go over in one copy and every row is drawn in the same few
 launches, where one ``torch.multinomial`` per row with its own generator costs launches per row (at 256 sampled
 rows that made a SmolLM2 decode step 8x slower than greedy on an H200: ``benchmarks/sampling_gpu.py``).
-The n-th uniform a request consumes draws its n-th output token, whether plain sampling or the speculative
-verifier emits it (``spec/verify.py``), so seeded output does not depend on drafts.
+With plain sampling and with one-hot drafters (n-gram, EAGLE-3, P-EAGLE), the n-th uniform a request consumes
+draws its n-th output token, whether plain sampling or the speculative verifier emits it (``spec/verify.py``),
+so their drafts do not change seeded output; the draft model draws its own drafts from the request's stream and
+is verified by the chain, so its seeded output depends on them.
 """
 
 from __future__ import annotations

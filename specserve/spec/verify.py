@@ -15,7 +15,7 @@ Each emitted token is then distributed exactly as ``p`` (the theorem of the pape
 changes what a request samples from. For greedy requests ``p_j`` is one-hot on the target's argmax, so the rule
 reduces to "accept while the draft equals the target's argmax, then emit the target's argmax".
 
-Deterministic drafters (n-gram lookup, the EAGLE-3 and P-EAGLE heads, all of which draft argmaxes) have a
+Deterministic drafters (n-gram lookup; the EAGLE-3 and P-EAGLE heads, which draft their argmaxes) have a
 one-hot ``q``. For them the chain runs in an equivalent, position-coupled form: with ``u_j`` the request's
 uniform for the output position that draft j would fill (``TokenUniforms``: the n-th uniform a request consumes
 draws its n-th output token),
@@ -29,9 +29,9 @@ and the request consumes one uniform per emitted token. It is the same chain in 
 probability p_j(x_j) (the one-hot ``u < p_j(x_j)``), and a rejected position emits y_j given y_j != x_j, i.e. a
 draw from ``p_j`` with ``x_j`` removed (the one-hot residual); so acceptance rates and output distribution are
 the rule's above. And every emitted token is the token plain sampling draws at its position from the same
-uniform, since the drafts depend only on the prefix: a seeded request's output is the same with and without
-speculation, for any number of drafts a step (an adaptive cap that follows timings included), up to the rounding
-in which a verify forward's logits differ from a decode forward's. A drafter with its own distribution ``q`` (the
+uniform, whatever the drafts were: a seeded request's output is the same with and without speculation, for
+any number of drafts a step (an adaptive cap that follows timings included), up to the rounding in which a
+verify forward's logits differ from a decode forward's. A drafter with its own distribution ``q`` (the
 draft model) keeps the chain above, whose acceptance ``sum_x min(p, q)`` this coupling would lower, and its output
 then depends on its draws.
 
@@ -155,10 +155,12 @@ def _verify_chain(
     streams: list[TokenUniforms],  # [num_requests]
 ) -> list[list[int]]:  # [num_requests] accepted drafts + one recovered or bonus token
     """The chain test of the module docstring for these requests at once. Each request takes ``num_draft + 1``
-    uniforms of its stream, in request order: its accept tests, then its recovered or bonus token (without
-    drafts, plain sampling's one draw). p_j(x_j) and q_j(x_j) of every draft come to the host in one read, and
-    every request's final distribution (the residual after a rejection, else the bonus row) is drawn in one
-    ``draw_tokens``: two device reads per step, whatever the number of requests.
+    uniforms of its stream, in the order of these requests: its accept tests, then its recovered or bonus token
+    (without drafts, plain sampling's one draw). ``verify`` sends it drafts with a distribution only; it also
+    takes one-hot drafts (None), the form ``verify`` used for them before the coupled one, which
+    ``benchmarks/verify_cost.py`` times against it. p_j(x_j) and q_j(x_j) of every draft come to the host in one
+    read, and every request's final distribution (the residual after a rejection, else the bonus row) is drawn in
+    one ``draw_tokens``: two device reads per step, whatever the number of requests.
 
     Example: drafts [[a1, a2], [], [c1]] -> probs rows [pa1 pa2 pa3 | pb1 | pc1 pc2] (starts 0, 3, 4); with a1
     accepted and a2 rejected, c1 accepted: final rows [pa2 - (a2) | pb1 | pc2], tokens [a1, y] [y] [c1, y]."""

@@ -198,6 +198,42 @@ def test_seeded_sampling_with_one_hot_drafts_equals_plain_sampling(plain_sampled
     assert_clean(engine)
 
 
+class CapPlan:
+    """A policy stub: the caps of ``plan`` in turn, one a decision (0: no drafts, None: no cap, n: at most n)."""
+
+    def __init__(self, plan: list[int | None]) -> None:
+        self.plan, self.decisions = plan, 0
+
+    def choose(self, batch_size: int) -> int | None:
+        self.decisions += 1
+        return self.plan[(self.decisions - 1) % len(self.plan)]
+
+    def record(self, batch_size, cap, seconds, tokens, outcomes=None) -> None:
+        pass
+
+    def observe(self, outcomes) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+@pytest.mark.parametrize("plan", [[0, 0, None], [None, 1, 0, 2], [0, 0, 0, 0, None, None]])
+def test_seeded_sampling_with_changing_caps_and_overlapped_steps_equals_plain_sampling(plain_sampled, plan,
+                                                                                     async_on) -> None:
+    """Caps that change from step to step (what the adaptive policy does, here on a fixed plan so that drafts
+    are accepted often: the copying drafter is right 80% of the time), with the engine's overlapped cap-0
+    decode steps on or off: the output is plain seeded sampling's."""
+    ps = prompts(LENGTHS)
+    proposer = CopyingProposer({tuple(p): out for p, out in zip(ps, plain_sampled)}, 0.8, seed=len(plan))
+    engine = tiny_engine(spec=SpecConfig(method="ngram", num_spec_tokens=3, adaptive=True),
+                         proposers={"ngram": proposer})
+    engine.set_spec_policy(CapPlan(plan))
+    engine.async_scheduling = async_on
+    reqs = engine.generate(ps, SAMPLED)
+    assert [r.output_ids for r in reqs] == plain_sampled
+    assert sum(r.spec_counters.num_accepted_tokens for r in reqs) > len(reqs) * 4
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("method", ["ngram", "eagle3", "peagle"])
 def test_seeded_sampling_with_each_one_hot_proposer_equals_plain_sampling(plain_sampled, method: str,

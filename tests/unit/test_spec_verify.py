@@ -297,3 +297,28 @@ def test_one_hot_drafts_are_accepted_with_the_target_probability() -> None:
     residual[1] = 0
     assert total_variation(after_reject, residual / residual.sum()) < 0.02
     assert after_reject[1] == 0
+
+
+def test_requests_sharing_the_default_stream_still_draw_from_the_target() -> None:
+    """Requests without a stream of their own share the default one, which cannot be peeked per request: each
+    then takes a fresh uniform for every row. The first draft is accepted with p_1(x_1), a rejection draws p_1
+    without x_1, and the token after an accepted draft follows p_2 (whatever the first draw was)."""
+    rows = torch.tensor([[2.0, 0.5, 0.0, -0.5], [-1.0, 0.0, 1.0, 0.3], [0.0] * 4])  # positions 1, 2, bonus
+    logits = rows.repeat(3, 1)  # three requests, drafts [0, 3] each
+    params = SamplingParams(temperature=1.0)
+    p = target_probs(rows, [params] * 3)
+    shared, n = TokenUniforms(9), 5_000
+    accepted, after_reject, second = 0, torch.zeros(4), torch.zeros(4)
+    for _ in range(n):
+        for out in verify(logits, [0, 3, 6], [[0, 3]] * 3, [None] * 3, [params] * 3, [None] * 3, shared):
+            if out[0] == 0:
+                accepted += 1
+                second[out[1]] += 1
+            else:
+                after_reject[out[0]] += 1
+    trials = 3 * n
+    assert abs(accepted / trials - float(p[0, 0])) < 4 * (float(p[0, 0] * (1 - p[0, 0])) / trials) ** 0.5
+    residual = p[0].clone()
+    residual[0] = 0
+    assert total_variation(after_reject, residual / residual.sum()) < 0.03
+    assert total_variation(second, p[1]) < 0.03

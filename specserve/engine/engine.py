@@ -418,7 +418,7 @@ class LLMEngine:
         out = self.runner.execute(sched, tables, self.aux_layer_ids, input_ids_device)
         requests = [s.request for s in sched.scheduled]
         token_ids = sample_on_device(out.logits, [r.params for r in requests], [r.rng for r in requests],
-                                     self.rng)  # [num_scheduled]
+                                     self.rng, consume=False)  # [num_scheduled]; streams advanced below
         host, copied = token_ids, None
         if token_ids.device.type == "cuda":
             host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
@@ -431,9 +431,11 @@ class LLMEngine:
         if lazy:  # cap 0: the drafters queue this step's features; a synchronous step catches them up
             self._observe(lazy, out.aux_hidden)
             self._lazy_draft_steps += 1
-        for r in requests:  # last: a launch that raised above has changed no request
+        for r in requests:  # last: a launch that raised above has changed no request (nor consumed a uniform)
             r.num_computed_tokens += 1
             r.num_pending_tokens += 1
+            if r.rng is not None and not r.params.greedy:
+                r.rng.advance(1)
         return InFlightStep(sched, token_ids, host, copied, num_prompt)
 
     def _commit_decode(self, step: InFlightStep) -> list[RequestOutput]:

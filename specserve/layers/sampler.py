@@ -127,16 +127,20 @@ def sample_on_device(
     params: list[SamplingParams],  # [num_rows]
     streams: list[TokenUniforms | None],  # [num_rows] per-request streams; None -> default_stream
     default_stream: TokenUniforms,
+    consume: bool = True,
 ) -> torch.Tensor:  # [num_rows] int64, on logits' device
     """One token per row, left on the device (so that the engine's next asynchronous decode step can take them as
     its input ids before the host has seen them): the argmax of greedy rows, for the others a ``draw_tokens``
     draw from ``target_probs`` with one uniform of the row's stream, as the verifier draws for a request
-    without drafts."""
+    without drafts. ``consume=False`` peeks the rows' own streams instead (the caller advances each by one once
+    the step can no longer fail); rows on the default stream consume theirs either way."""
     out = logits.argmax(dim=-1)  # [num_rows]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return out
     rows = host_to_device(random_rows, torch.int64, logits.device)  # [num_random]
     probs = target_probs(logits.index_select(0, rows), [params[i] for i in random_rows])
-    out[rows] = draw_tokens(probs, [(streams[i] or default_stream).random() for i in random_rows])
+    uniforms = [default_stream.random() if streams[i] is None else streams[i].random() if consume
+                else streams[i].peek(1)[0] for i in random_rows]
+    out[rows] = draw_tokens(probs, uniforms)
     return out

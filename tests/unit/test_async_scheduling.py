@@ -185,6 +185,35 @@ def test_metrics_count_the_same_tokens():
     assert totals[0] == totals[1] == (8, 15)
 
 
+def test_a_launch_that_fails_after_sampling_leaves_seeded_output_unchanged(monkeypatch, caplog):
+    """A launch that raises after its tokens were drawn (here: right after sample_on_device) has consumed no
+    uniform of any request, so seeded sampled output is the synchronous engine's token for token."""
+    import specserve.engine.engine as engine_module
+
+    ps = prompts([5, 8, 6])
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=40 + i) for i in range(3)]
+    sync = run(tiny_engine(), ps, params, False)[0]
+    engine = tiny_engine()
+    real, failures, fed = engine_module.sample_on_device, [], []
+    execute = engine.runner.execute
+
+    def watched(sched, tables, aux=(), input_ids_device=None):
+        fed.append(input_ids_device is not None)
+        return execute(sched, tables, aux, input_ids_device)
+
+    def flaky(*args, **kw):  # fails a launch made while another step was in flight (those fall back to sync)
+        tokens = real(*args, **kw)
+        if fed[-1] and len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("injected failure after sampling")
+        return tokens
+    engine.runner.execute = watched
+    monkeypatch.setattr(engine_module, "sample_on_device", flaky)
+    asyn, device_steps = run(engine, ps, params, True)
+    assert len(failures) == 2 and "failed to launch" in caplog.text and device_steps > 0
+    assert asyn == sync
+
+
 def test_a_failed_launch_commits_the_step_in_flight_and_goes_on_synchronously(caplog):
     ps = prompts([5, 8])
     params = [SamplingParams(max_tokens=12, temperature=0.0)] * 2

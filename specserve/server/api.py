@@ -388,8 +388,10 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
     return task.result()
 
 
-def _sse(obj: BaseModel) -> str:
-    return f"data: {obj.model_dump_json()}\n\n"
+def _sse(obj: BaseModel, drop_usage: bool = False) -> str:
+    """One server-sent event; ``drop_usage`` leaves the chunk's ``usage`` out (OpenAI sends ``"usage": null`` on
+    every chunk only when ``stream_options.include_usage`` asked for the usage chunk)."""
+    return f"data: {obj.model_dump_json(exclude={'usage'} if drop_usage else None)}\n\n"
 
 
 def _sse_error(exc: Exception) -> str:
@@ -403,7 +405,7 @@ async def _stream_chat(engine: Any, prep: _Prepared) -> AsyncGenerator[str, None
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
         choice = ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)
         return _sse(ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
-                                        choices=[choice]))
+                                        choices=[choice]), drop_usage=not prep.include_usage)
 
     final = _Final(len(prep.prompt_ids))
     gen = _iterate(engine, prep)
@@ -430,7 +432,7 @@ async def _stream_completion(engine: Any, prep: _Prepared) -> AsyncGenerator[str
     def chunk(text: str, finish_reason: str | None = None) -> str:
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return _sse(CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
-                                       choices=[choice]))
+                                       choices=[choice]), drop_usage=not prep.include_usage)
 
     final = _Final(len(prep.prompt_ids))
     gen = _iterate(engine, prep)

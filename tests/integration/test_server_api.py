@@ -212,6 +212,12 @@ def test_stream_raw_sse_format(server: LiveServer) -> None:
     assert events[-1] == "data: [DONE]"
     first = json.loads(events[0][len("data: "):])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" not in json.loads(e[len("data: "):]) for e in events[:-1])  # as OpenAI, without include_usage
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{server.api_url}/chat/completions", json=body, timeout=30) as resp:
+        events = [json.loads(e[len("data: "):]) for e in resp.read().decode().split("\n\n")
+                  if e and e != "data: [DONE]"]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] >= 1
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -59,17 +59,73 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+# Candidates a top-p row is first filtered among (``apply_top_k_top_p``): a partial top-k of this many logits instead
+# of sorting the whole vocabulary (on a 2-core CPU, 32 rows of 49,152: 6 ms against 49 ms), with a full sort only
+# for the rows whose nucleus does not end among them.
+TOP_P_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, already divided by temperature
     top_k: list[int],  # [num_rows], 0 = disabled
     top_p: list[float],  # [num_rows], 1.0 = disabled
 ) -> torch.Tensor:  # [num_rows, vocab_size], masked entries set to -inf
+    """Keep each row's ``top_k`` largest logits, then the smallest prefix of them (by descending probability
+    under the top-k-filtered softmax) whose mass reaches ``top_p``; the top token always stays.
+
+    The rows' filters are applied among the ``c`` largest logits of every row (``torch.topk``), c the largest
+    top-k of a top-k-only row and at most ``TOP_P_CANDIDATES`` for a top-p row: a top-p row whose candidates'
+    mass reaches its p has its whole nucleus among them (the mass before every later token is larger still), and
+    its softmax is normalised over its top-k candidates, or over the whole row without top-k. Rows whose nucleus
+    runs past the candidates, and top-p rows whose top-k is wider than them, are filtered on a full sort
+    (``_filter_sorted``), as every row was before.
+
+    Example: c = 3, a row's candidate probabilities [0.6, 0.3, 0.05] (tail 0.05): p = 0.8 keeps the first two
+    (masses before them 0, 0.6; before the third 0.9 >= 0.8), resolved; p = 0.99 needs the tail: full sort."""
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
+    vocab, device = logits.shape[-1], logits.device
+    k_eff = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    need = [0 if k == vocab and p >= 1.0 else k if p >= 1.0 else min(k, TOP_P_CANDIDATES)
+            for k, p in zip(k_eff, top_p)]
+    cand = max(need)
+    if cand * 4 > vocab:  # no cheaper than sorting every row
+        return _filter_sorted(logits, k_eff, top_p)
+    vals, idx = logits.topk(cand, dim=-1)  # [rows, cand], descending
+    k = host_to_device(k_eff, torch.int64, device)  # [rows]
+    p = host_to_device(top_p, logits.dtype, device)  # [rows]
+    remove = torch.arange(cand, device=device)[None, :] >= k[:, None]  # [rows, cand] beyond top-k
+    # the softmax's normaliser: over the top-k set when it lies among the candidates, else over the whole row
+    top_k_lse = vals.masked_fill(remove, float("-inf")).logsumexp(dim=-1)  # [rows]
+    lse = torch.where(k <= cand, top_k_lse, logits.logsumexp(dim=-1))  # [rows]
+    probs = (vals - lse[:, None]).exp().masked_fill(remove, 0.0)  # [rows, cand]
+    running = probs.cumsum(dim=-1)  # [rows, cand]
+    remove |= (running - probs >= p[:, None]) & (p[:, None] < 1.0)
+    remove[:, 0] = False
+    out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals.masked_fill(remove, float("-inf")))
+    reached = (running[:, -1] >= p).tolist()
+    unfiltered = [i for i, n in enumerate(need) if n == 0]
+    full = [i for i, (n, k_i, p_i) in enumerate(zip(need, k_eff, top_p))
+            if n and p_i < 1.0 and (not reached[i] or cand < k_i < vocab)]
+    if unfiltered:
+        rows = host_to_device(unfiltered, torch.int64, device)
+        out[rows] = logits.index_select(0, rows)
+    if full:
+        rows = host_to_device(full, torch.int64, device)
+        out[rows] = _filter_sorted(logits.index_select(0, rows), [k_eff[i] for i in full], [top_p[i] for i in full])
+    return out
+
+
+def _filter_sorted(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, already divided by temperature
+    k_eff: list[int],  # [num_rows] top-k, vocab_size = disabled
+    top_p: list[float],  # [num_rows], 1.0 = disabled
+) -> torch.Tensor:  # [num_rows, vocab_size], masked entries set to -inf
+    """``apply_top_k_top_p`` on a full sort of every row."""
     vocab = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [rows, vocab]
     device = logits.device
-    k = host_to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)  # [rows]
+    k = host_to_device(k_eff, torch.int64, device)  # [rows]
     ranks = torch.arange(vocab, device=device)
     remove = ranks[None, :] >= k[:, None]  # beyond top-k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)

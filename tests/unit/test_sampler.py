@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.sampler import draw_tokens, sample, target_probs
+from specserve.layers.sampler import (
+    TOP_P_CANDIDATES,
+    _filter_sorted,
+    apply_top_k_top_p,
+    draw_tokens,
+    sample,
+    target_probs,
+)
 from specserve.sampling import SamplingParams
 
 
@@ -112,3 +119,23 @@ def test_a_row_without_top_p_keeps_its_tail_beside_rows_with_it() -> None:
     beside = target_probs(logits, [plain, nucleus])
     assert torch.equal(beside[0], alone[0]) and bool((alone[0, 1:] > 0).all())
     assert int((beside[1] > 0).sum()) == 1  # the top-p row keeps its top token only
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.lists(st.tuples(st.sampled_from([0, 1, 7, 64, 1500, 5000]),
+                                                            st.sampled_from([1.0, 0.5, 0.9, 0.99, 0.999999]),
+                                                            st.sampled_from([0.3, 2.0, 8.0])),
+                                                  min_size=1, max_size=6))
+def test_candidate_filtering_equals_the_full_sort(seed, rows) -> None:
+    """Top-k / top-p among a partial top-k of candidates keeps exactly the tokens a full sort keeps, for rows of
+    every kind in one batch: unfiltered, top-k only (within the candidates), top-p resolved among the
+    candidates, and those that fall back to the sort (a flat row whose nucleus is wider than the candidates, a
+    top-k wider than them under top-p, p rounding to 1)."""
+    vocab = 16 * TOP_P_CANDIDATES
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.cat([torch.randn(1, vocab, generator=gen) * scale for _, _, scale in rows])
+    top_k, top_p = [k for k, _, _ in rows], [p for _, p, _ in rows]
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    want = _filter_sorted(logits, [k if k else vocab for k in top_k], top_p)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])

@@ -18,6 +18,7 @@ is verified by the chain, so its seeded output depends on them.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from itertools import islice
@@ -25,6 +26,8 @@ from itertools import islice
 import torch
 
 from specserve.sampling import SamplingParams
+
+DISABLE_TRITON_SAMPLER_ENV = "SPECSERVE_DISABLE_TRITON_SAMPLER"  # set: CUDA draws take the torch form too
 
 
 class TokenUniforms:
@@ -159,10 +162,25 @@ def draw_tokens(
     is set to the running maximum before it (a parallel scan's sum at a zero could differ from its
     predecessor's by an ulp), and the result is clamped to the row's last token with mass.
 
+    On CUDA the draw is one Triton kernel (``layers/triton_sampler.py``: the same rule, fp64 sums in another
+    order, so the same token except for a target within a few ulps of a boundary) unless
+    ``SPECSERVE_DISABLE_TRITON_SAMPLER`` is set; plain sampling and the verifier both come through here.
+
     Example: probs [[0.5, 0, 0.25, 0.25]], u 0.6 -> cumulative [0.5 0.5 0.75 1.0], first > 0.6 -> token 2."""
+    u = host_to_device(uniforms, torch.float64, probs.device)  # [rows]
+    if probs.is_cuda and probs.dtype == torch.float32 and not os.environ.get(DISABLE_TRITON_SAMPLER_ENV):
+        from specserve.layers.triton_sampler import draw_tokens_triton  # Triton is imported on the CUDA path only
+        return draw_tokens_triton(probs, u)
+    return draw_tokens_reference(probs, u)
+
+
+def draw_tokens_reference(
+    probs: torch.Tensor,  # [num_rows, vocab_size] float32, >= 0, each row with positive mass
+    u: torch.Tensor,  # [num_rows] float64 in [0, 1), on probs' device
+) -> torch.Tensor:  # [num_rows] int64
+    """``draw_tokens`` in torch (any device; the test oracle of the Triton kernel)."""
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
     cdf = cdf.masked_fill(probs <= 0, float("-inf")).cummax(dim=-1).values  # flat at zero mass, monotone
-    u = host_to_device(uniforms, torch.float64, probs.device)  # [rows]
     picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)  # [rows]
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).float().argmax(dim=-1)  # [rows] last token with mass
     return torch.minimum(picked, last)

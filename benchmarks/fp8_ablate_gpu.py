@@ -1,0 +1,128 @@
+"""Upper bounds for fusions in the FP8 decode step at batch 1 (Llama-3.1-8B shape, dummy weights): the step with
+one kind of launch taken out at a time. GPU machine, not CI.
+
+    python benchmarks/fp8_ablate_gpu.py          # writes $OUT/fp8_ablate_gpu.json
+
+Each ablation replaces an op by a no-op that hands back a preallocated output of the right shape (the outputs are
+wrong: only the step's time means anything), so the step's time without that launch bounds what fusing it
+into a neighbour could save:
+
+- ``no_silu``: ``silu_and_mul(_fp8)`` (the fp8 one is two launches at one row, each a serial chain of
+  latencies on a few multiprocessors);
+- ``no_act_quant``: the per-token quantizer before ``o_proj`` (the attention output's e4m3 rows and scales);
+- ``no_rope``: the rotary embedding (its own launch beside the KV write);
+- ``no_norm``: the residual add + RMSNorm (+ quantizer) before ``qkv`` and ``gate_up``;
+- ``no_small``: all of the above.
+
+Times are ``gpu_engine.time_decode_steps``'s (median engine step, graph replay alone) for bf16 and fp8 (bf16 LM
+head, as the bar's figure), so ``bf16 / variant`` says which fusions could reach the issue's 1.7x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.layers import triton_ops, triton_w8a16  # noqa: E402
+from specserve.layers.quant_gpu import Fp8Activations  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+
+
+class Cache:
+    """Preallocated outputs by (name, shape, dtype): the same tensors on every call, as a captured graph wants."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.store = device, {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, tuple(shape), dtype)
+        if key not in self.store:
+            self.store[key] = torch.ones(shape, dtype=dtype, device=self.device) if dtype != torch.float8_e4m3fn \
+                else torch.ones(shape, dtype=torch.bfloat16, device=self.device).to(dtype)
+        return self.store[key]
+
+
+@contextlib.contextmanager
+def ablate(names: set[str], cache: Cache):
+    """Patch ``TritonOps`` / the W8A16 quantizer so the named launches do not happen."""
+    cls, saved = triton_ops.TritonOps, {}
+
+    def patch(owner, attr, fn):
+        saved[(owner, attr)] = getattr(owner, attr)
+        setattr(owner, attr, fn)
+
+    def fp8_out(name, rows, cols, dtype):
+        return Fp8Activations(cache.get(name + ".q", (rows, cols), torch.float8_e4m3fn),
+                              cache.get(name + ".s", (rows, 1), torch.float32), dtype, None)
+
+    if "silu" in names:
+        patch(cls, "silu_and_mul", lambda self, gu: cache.get("silu", (gu.shape[0], gu.shape[1] // 2), gu.dtype))
+        patch(cls, "silu_and_mul_fp8",
+              lambda self, gu, write_out=False: fp8_out("silu", gu.shape[0], gu.shape[1] // 2, gu.dtype))
+    if "act_quant" in names:
+        patch(triton_w8a16, "quantize_fp8_rows_triton",
+              lambda x, max_block=8192: (cache.get("aq.q", x.shape, torch.float8_e4m3fn),
+                                         cache.get("aq.s", (x.shape[0], 1), torch.float32)))
+    if "rope" in names:
+        patch(cls, "rope_", lambda self, qk, cos, sin: qk)
+    if "norm" in names:
+        patch(cls, "fused_add_rms_norm", lambda self, x, res, w, eps: cache.get("norm", x.shape, x.dtype))
+        patch(cls, "fused_add_rms_norm_fp8",
+              lambda self, x, res, w, eps, write_out=False: fp8_out("norm", x.shape[0], x.shape[1], x.dtype))
+    try:
+        yield
+    finally:
+        for (owner, attr), fn in saved.items():
+            setattr(owner, attr, fn)
+
+
+VARIANTS = {"base": set(), "no_silu": {"silu"}, "no_act_quant": {"act_quant"}, "no_rope": {"rope"},
+            "no_norm": {"norm"}, "no_small": {"silu", "act_quant", "rope", "norm"}}
+
+
+def main() -> int:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    config = shape_config("llama-3.1-8b")
+    out_path = Path(os.environ.get("OUT", "benchmarks/results")) / "fp8_ablate_gpu.json"
+    out: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
+                 "torch": torch.__version__, "by_method": {}}
+    t_start = time.perf_counter()
+    model = ge.dummy_model(config, 1024, dtype, device)
+    cache = Cache(device)
+    for method in ("bf16", "fp8"):
+        if method == "fp8":
+            ge.quantize_model(model, "fp8")
+            ge.free(device)
+        for variant, names in VARIANTS.items():
+            if method == "bf16" and variant == "no_act_quant":
+                continue  # no quantizer in bf16
+            with ablate(names, cache):
+                engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
+                r = ge.time_decode_steps(engine, device, 1, 512, 20)
+                del engine
+                ge.free(device)
+            out["by_method"].setdefault(method, {})[variant] = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
+            print(f"{method} {variant}: step {r['median_step_s'] * 1e3:.3f} ms, replay "
+                  f"{r['graph_replay_s'] * 1e3:.3f} ms ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    bf16 = out["by_method"]["bf16"]["base"]["median_step_s"]
+    out["bf16_over_fp8_variant"] = {v: bf16 / r["median_step_s"] for v, r in out["by_method"]["fp8"].items()}
+    out["saved_ms"] = {m: {v: (rs["base"]["median_step_s"] - r["median_step_s"]) * 1e3 for v, r in rs.items()}
+                       for m, rs in out["by_method"].items()}
+    out["total_seconds"] = time.perf_counter() - t_start
+    print(json.dumps({k: out[k] for k in ("bf16_over_fp8_variant", "saved_ms")}, indent=1))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,7 +85,7 @@ def main() -> int:
     logits = (torch.randn(b, v, generator=torch.Generator().manual_seed(0)) * 3).to(device)  # [rows, vocab]
     scaled = logits / 0.7
     rows = []
-    for top_k, top_p in ((0, 0.95), (50, 1.0), (40, 0.9)):
+    for top_k, top_p in ((0, 1.0), (0, 0.95), (50, 1.0), (40, 0.9)):  # (0, 1.0): temperature only
         ks, ps = [top_k] * b, [top_p] * b
         params = [SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)] * b
         row = {"top_k": top_k, "top_p": top_p,

@@ -1,8 +1,9 @@
 """Host / device cost of sampling a step's rows (``layers/sampler.py``): top-k / top-p filtering among a partial
 top-k of candidates (``apply_top_k_top_p``) against filtering on a full sort of every row (``_filter_sorted``,
 the method before), the whole ``sample_on_device`` draw, and argmax for scale, on the same synthetic logits; on
-CUDA also the draw alone, the Triton kernel against its torch form (``layers/triton_sampler.py``), and
-``sample_on_device`` with the torch form (``SPECSERVE_DISABLE_TRITON_SAMPLER``).
+CUDA (where ``filter_candidates_ms`` is the Triton threshold path) also the torch filter, the draw alone against
+its torch form (``layers/triton_sampler.py``), and ``sample_on_device`` with both torch forms
+(``SPECSERVE_DISABLE_TRITON_SAMPLER``).
 Median milliseconds; writes ``--out`` (JSON) with the command and the machine.
 
     python benchmarks/sampler_cost.py --out benchmarks/results/sampler_cost_cpu.json
@@ -97,10 +98,13 @@ def main() -> int:
                    lambda params=params: sample_on_device(logits, params, [TokenUniforms(i) for i in range(b)],
                                                           TokenUniforms(0)), device, args.reps),
                "argmax_ms": median_ms(lambda: logits.argmax(dim=-1), device, args.reps)}
-        if device.type == "cuda":  # the same draw in its torch form (layers/triton_sampler.py's oracle)
+        if device.type == "cuda":  # the filter and draw in their torch form (layers/triton_sampler.py's oracles)
             os.environ[DISABLE_TRITON_SAMPLER_ENV] = "1"
             try:
-                row["sample_on_device_torch_draw_ms"] = median_ms(
+                row["filter_torch_ms"] = median_ms(lambda ks=ks, ps=ps: apply_top_k_top_p(scaled, ks, ps), device,
+                                                   args.reps)
+                kept_torch = torch.isfinite(apply_top_k_top_p(scaled, ks, ps))
+                row["sample_on_device_torch_ms"] = median_ms(
                     lambda params=params: sample_on_device(logits, params, [TokenUniforms(i) for i in range(b)],
                                                            TokenUniforms(0)), device, args.reps)
             finally:
@@ -112,6 +116,8 @@ def main() -> int:
             u = torch.tensor(uniforms, dtype=torch.float64, device=device)
             row["draw_torch_ms"] = median_ms(lambda probs=probs, u=u: draw_tokens_reference(probs, u), device,
                                              args.reps)
+            kept = torch.isfinite(apply_top_k_top_p(scaled, ks, ps))
+            row["filter_tokens_differing"] = int((kept != kept_torch).sum())
             row["draws_equal"] = draw_tokens(probs, uniforms).tolist() == draw_tokens_reference(probs, u).tolist()
         rows.append({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()})
         print(rows[-1], flush=True)

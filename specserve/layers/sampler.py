@@ -84,11 +84,16 @@ def apply_top_k_top_p(
     (``_filter_sorted``), as every row was before.
 
     Example: c = 3, a row's candidate probabilities [0.6, 0.3, 0.05] (tail 0.05): p = 0.8 keeps the first two
-    (masses before them 0, 0.6; before the third 0.9 >= 0.8), resolved; p = 0.99 needs the tail: full sort."""
+    (masses before them 0, 0.6; before the third 0.9 >= 0.8), resolved; p = 0.99 needs the tail: full sort.
+
+    On CUDA (fp32, ``SPECSERVE_DISABLE_TRITON_SAMPLER`` unset) ``_filter_thresholds`` computes the same filter
+    without reading anything back to the host (the form here reads which rows are resolved)."""
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
     vocab, device = logits.shape[-1], logits.device
     k_eff = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    if logits.is_cuda and logits.dtype == torch.float32 and not os.environ.get(DISABLE_TRITON_SAMPLER_ENV):
+        return _filter_thresholds(logits, k_eff, top_p)
     need = [0 if k == vocab and p >= 1.0 else k if p >= 1.0 else min(k, TOP_P_CANDIDATES)
             for k, p in zip(k_eff, top_p)]
     cand = max(need)
@@ -117,6 +122,29 @@ def apply_top_k_top_p(
         rows = host_to_device(full, torch.int64, device)
         out[rows] = _filter_sorted(logits.index_select(0, rows), [k_eff[i] for i in full], [top_p[i] for i in full])
     return out
+
+
+def _filter_thresholds(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32 on CUDA, already divided by temperature
+    k_eff: list[int],  # [num_rows] top-k, vocab_size = disabled
+    top_p: list[float],  # [num_rows], 1.0 = disabled
+) -> torch.Tensor:  # [num_rows, vocab_size], masked entries set to -inf
+    """``apply_top_k_top_p`` on CUDA, with no host sync: the kept tokens of a row are those at or above one
+    threshold, which a Triton kernel finds (``layers/triton_sampler.py``) from the row's candidates (a top-k of
+    ``max(k)`` for rows with top-k, ``TOP_P_CANDIDATES`` for rows with top-p only) or, for a nucleus that runs past
+    them, by bisection over the row. The same tokens as the sort, except that tokens tied with the last kept one
+    are all kept (a sort keeps an arbitrary few of them) and a token whose mass before it is within fp32
+    rounding of p can go either way."""
+    vocab, device = logits.shape[-1], logits.device
+    need = [0 if k == vocab and p >= 1.0 else k if k < vocab else TOP_P_CANDIDATES for k, p in zip(k_eff, top_p)]
+    cand = max(need)
+    if cand * 4 > vocab:  # no cheaper than sorting every row
+        return _filter_sorted(logits, k_eff, top_p)
+    from specserve.layers.triton_sampler import top_k_top_p_thresholds_triton  # Triton on the CUDA path only
+    vals = logits.topk(cand, dim=-1).values  # [rows, cand], descending
+    tau = top_k_top_p_thresholds_triton(logits, vals, host_to_device(k_eff, torch.int64, device),
+                                        host_to_device(top_p, torch.float32, device))  # [rows]
+    return logits.masked_fill(logits < tau[:, None], float("-inf"))
 
 
 def _filter_sorted(

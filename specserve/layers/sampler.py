@@ -30,6 +30,12 @@ from specserve.sampling import SamplingParams
 DISABLE_TRITON_SAMPLER_ENV = "SPECSERVE_DISABLE_TRITON_SAMPLER"  # set: CUDA draws take the torch form too
 
 
+def use_triton_sampler(x: torch.Tensor) -> bool:  # x: [num_rows, vocab_size] logits or probabilities
+    """Whether ``x``'s filter and draw take the Triton kernels (``layers/triton_sampler.py``): fp32 on CUDA, and
+    ``SPECSERVE_DISABLE_TRITON_SAMPLER`` unset (read at every call)."""
+    return x.is_cuda and x.dtype == torch.float32 and not os.environ.get(DISABLE_TRITON_SAMPLER_ENV)
+
+
 class TokenUniforms:
     """A request's uniforms in [0, 1), in order: ``random()`` consumes the next one, ``peek(n)`` returns the next
     n without consuming them, ``advance(n)`` consumes n. The sequence is ``random.Random(seed)``'s, whatever mix of
@@ -92,7 +98,7 @@ def apply_top_k_top_p(
         return logits
     vocab, device = logits.shape[-1], logits.device
     k_eff = [kk if 0 < kk < vocab else vocab for kk in top_k]
-    if logits.is_cuda and logits.dtype == torch.float32 and not os.environ.get(DISABLE_TRITON_SAMPLER_ENV):
+    if use_triton_sampler(logits):
         return _filter_thresholds(logits, k_eff, top_p)
     need = [0 if k == vocab and p >= 1.0 else k if p >= 1.0 else min(k, TOP_P_CANDIDATES)
             for k, p in zip(k_eff, top_p)]
@@ -196,7 +202,7 @@ def draw_tokens(
 
     Example: probs [[0.5, 0, 0.25, 0.25]], u 0.6 -> cumulative [0.5 0.5 0.75 1.0], first > 0.6 -> token 2."""
     u = host_to_device(uniforms, torch.float64, probs.device)  # [rows]
-    if probs.is_cuda and probs.dtype == torch.float32 and not os.environ.get(DISABLE_TRITON_SAMPLER_ENV):
+    if use_triton_sampler(probs):
         from specserve.layers.triton_sampler import draw_tokens_triton  # Triton is imported on the CUDA path only
         return draw_tokens_triton(probs, u)
     return draw_tokens_reference(probs, u)

@@ -1,9 +1,9 @@
 """Compile the quantized-GEMM Triton kernels for a GPU target on a machine without one (Triton ships ptxas): the
 W8A16 GEMM and the FP8 activation quantizer (``layers/triton_w8a16.py``), the W4A16 GEMM
 (``layers/triton_w4a16.py``), the 16-bit-weight GEMV (``layers/triton_gemv.py``) and tensor-core GEMM
-(``layers/triton_gemm.py``). The interpreter that runs
-the unit tests never type-checks, lays out or lowers a kernel, so a kernel can pass every interpreted test and
-still fail to compile.
+(``layers/triton_gemm.py``), and the persistent FP8 MLP block (``layers/triton_fused_mlp.py``). The
+interpreter that runs the unit tests never type-checks, lays out or lowers a kernel, so a kernel can pass every
+interpreted test and still fail to compile.
 
 Each wrapper runs on CPU tensors with its kernel replaced by a recorder; every distinct launch is then compiled
 the way ``kernel[grid](...)`` would on an sm_90 GPU (the JIT's own specialization: integer 1 as a constant,
@@ -37,12 +37,24 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from specserve.layers import quant_tiles, triton_gemm, triton_gemv, triton_pdl, triton_w4a16, triton_w8a16  # noqa: E402
+from specserve.layers import (  # noqa: E402
+    quant_tiles,
+    triton_fused_mlp,
+    triton_gemm,
+    triton_gemv,
+    triton_pdl,
+    triton_w4a16,
+    triton_w8a16,
+)
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_kernel"),
-           (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"), (triton_gemm, "_gemm_kernel"))
+           (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"), (triton_gemm, "_gemm_kernel"),
+           (triton_fused_mlp, "_fused_mlp_kernel"))
+# The persistent FP8 MLP's tilings (bn1, bk1, bn2, bk2, warps, stages), as benchmarks/persistent_mlp_gpu.py times them
+FUSED_MLP_TILINGS = ((8, 1024, 16, 1024, 8, 4), (8, 1024, 16, 1024, 8, 6), (4, 1024, 8, 1024, 4, 4),
+                     (8, 512, 16, 512, 4, 6))
 
 
 class Recorder:
@@ -161,6 +173,16 @@ def table_calls(quick: bool):
                         cfg = quant_tiles.BF16_GEMV_TILES.lookup(m, n, k)
                         triton_gemv.gemv_linear(x, w16, None, config=_replace(cfg, split_k=3))
                         triton_gemv.gemv_linear(x[:, :k - 8], w16[:, :k - 8].contiguous(), None)  # ragged K
+        hidden, inter = 4096, 14336  # the persistent FP8 MLP block at one row, Llama-3.1-8B, 132 programs
+        x1 = torch.zeros(1, hidden, dtype=torch.bfloat16)
+        w_gu = torch.zeros(2 * inter, hidden, dtype=torch.float8_e4m3fn)
+        w_d = torch.zeros(hidden, inter, dtype=torch.float8_e4m3fn)
+        for bn1, bk1, bn2, bk2, warps, stages in FUSED_MLP_TILINGS[:1] if quick else FUSED_MLP_TILINGS:
+            for act_quant in (True, False):
+                triton_fused_mlp.fused_mlp_fp8(x1, x1, x1[0], w_gu, torch.ones(2 * inter), w_d, torch.ones(hidden),
+                                               1e-5, torch.zeros(1, dtype=torch.int32), 132,
+                                               amax=torch.zeros(2, dtype=torch.int32), act_quant=act_quant, bn1=bn1,
+                                               bk1=bk1, bn2=bn2, bk2=bk2, num_warps=warps, stages=stages)
         for (n, k), buckets in quant_tiles.BF16_GEMM_TILES.items():  # per-shape tensor-core GEMM entries
             w16 = torch.zeros(n, k, dtype=torch.bfloat16)
             for m, cfg in buckets.items():

@@ -1,4 +1,5 @@
-"""Tolerance of a GEMM kernel's output against exact (fp64) maths, shared by the Triton GEMM / GEMV tests."""
+"""Tolerances "up to rounding" shared by tests: a GEMM kernel's output against exact (fp64) maths (the Triton GEMM /
+GEMV tests), and a top-k / top-p filter's kept tokens against the full sort's (the sampler tests)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,24 @@ def fp64_linear(
 ) -> torch.Tensor:  # [M, N] fp64: x @ W.T + b exactly (up to fp64 rounding)
     out = x.double() @ w.double().t()
     return out if b is None else out + b.double()
+
+
+def unexplained_differences(z: torch.Tensor, keep: torch.Tensor, want: torch.Tensor, k: int, p: float,
+                            rel: float = 3e-6) -> list[int]:
+    """Tokens of this row kept by one filter and not the other that neither a tie with the sort's last kept value
+    nor fp32 rounding explains: with top-p, the mass before the token (fp64, under the top-k-normalised softmax)
+    within ``rel`` of p."""
+    order = z.double().sort(descending=True)
+    vals = order.values[:k]
+    probs = (vals - vals[0]).exp()
+    probs /= probs.sum()
+    before = torch.full_like(z, float("nan"), dtype=torch.float64)
+    before[order.indices[:k]] = probs.cumsum(0) - probs
+    edge = z[want].min()  # the sort's last kept value
+    bad = []
+    for tok in (keep != want).nonzero().flatten().tolist():
+        tied = z[tok] == edge and int((z == edge).sum()) > 1
+        if tied or (p < 1.0 and abs(float(before[tok]) - p) < rel):
+            continue
+        bad.append(tok)
+    return bad

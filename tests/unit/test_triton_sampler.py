@@ -24,6 +24,7 @@ if DEVICE.type == "cpu":
 
 triton = pytest.importorskip("triton")
 from specserve.layers import triton_sampler  # noqa: E402
+from tests.rounding import unexplained_differences  # noqa: E402
 from tests.triton_interpreter import fix_interpreter, reload_interpreted  # noqa: E402
 
 if DEVICE.type == "cpu":
@@ -118,27 +119,6 @@ def thresholds_keep(z: torch.Tensor, k_eff: list[int], top_p: list[float], top_p
         zd, vals, torch.tensor(k_eff, dtype=torch.int64, device=DEVICE),
         torch.tensor(top_p, dtype=torch.float32, device=DEVICE))
     return (zd >= tau[:, None]).cpu()
-
-
-def unexplained_differences(z: torch.Tensor, keep: torch.Tensor, want: torch.Tensor, k: int, p: float,
-                            rel: float = 3e-6) -> list[int]:
-    """Tokens of this row kept by one filter and not the other that neither a tie with the sort's last kept value
-    nor fp32 rounding explains: with top-p, the mass before the token (fp64, under the top-k-normalised softmax)
-    within ``rel`` of p."""
-    order = z.double().sort(descending=True)
-    vals = order.values[:k]
-    probs = (vals - vals[0]).exp()
-    probs /= probs.sum()
-    before = torch.full_like(z, float("nan"), dtype=torch.float64)
-    before[order.indices[:k]] = probs.cumsum(0) - probs
-    edge = z[want].min()  # the sort's last kept value
-    bad = []
-    for tok in (keep != want).nonzero().flatten().tolist():
-        tied = z[tok] == edge and int((z == edge).sum()) > 1
-        if tied or (p < 1.0 and abs(float(before[tok]) - p) < rel):
-            continue
-        bad.append(tok)
-    return bad
 
 
 @settings(max_examples=30, deadline=None)

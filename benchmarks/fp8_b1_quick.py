@@ -4,6 +4,7 @@ is not enough device time for the whole script. GPU machine, not CI.
 
     python benchmarks/fp8_b1_quick.py                    # writes $OUT/fp8_b1.json
     python benchmarks/fp8_b1_quick.py --fuse-act-quant   # fp8 twice: quantizer launched alone, then fused
+    python benchmarks/fp8_b1_quick.py --fuse-act-quant --fused-mlp '{"bn1": 8, ..., "programs_per_sm": 2}'
 
 ``--fuse-act-quant`` times fp8 a second time with ``quant_tiles.FUSE_FP8_ACT_QUANT`` on (the norms and
 silu_and_mul emit the e4m3 activations of qkv / gate_up / down themselves: 3 launches fewer per layer, the same
@@ -59,19 +60,46 @@ def fused_bitwise(config, device: torch.device, dtype: torch.dtype) -> dict:
     return result
 
 
-def time_method(method: str, config, device: torch.device, dtype: torch.dtype) -> dict:
+def mlp_check(model, device: torch.device, dtype: torch.dtype) -> dict:
+    """Layer 0's MLP block at one row: the persistent launch (``MLP.fused_one_row``) against the engine's ops
+    (fused add + norm + quantizer, gate|up, silu_and_mul + quantizer, down) on the same inputs."""
+    layer = model.layers[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = layer.mlp.down_proj.weight.shape[0]
+    x = torch.randn(1, hidden, device=device, generator=gen).to(dtype)
+    res = (3 * torch.randn(1, hidden, device=device, generator=gen)).to(dtype)
+    fused = layer.mlp.fused_one_row(x, res, layer.post_attention_layernorm)
+    if fused is None:
+        return {"fused": False}
+    from specserve.layers.triton_ops import TritonOps
+    res2 = res.clone()
+    ln2 = layer.post_attention_layernorm
+    ref = layer.mlp(TritonOps().fused_add_rms_norm_fp8(x, res2, ln2.weight, ln2.eps))
+    out = fused[0].float()
+    return {"fused": True, "residual_equal": bool(torch.equal(fused[1], res2)),
+            "max_abs_diff": (out - ref.float()).abs().max().item(), "ref_max_abs": ref.float().abs().max().item(),
+            "rel_l2": ((out - ref.float()).norm() / ref.float().norm()).item()}
+
+
+def time_method(method: str, config, device: torch.device, dtype: torch.dtype, fused_mlp: dict | None = None) -> dict:
     """Median decode step (and graph replay) at batch 1 for ``method``: bf16, or fp8 weights with the activation
     quantizer launched alone ("fp8") or fused into the norms and silu_and_mul ("fp8_fused*")."""
     t0 = time.perf_counter()
     quant_tiles.FUSE_FP8_ACT_QUANT = method.startswith("fp8_fused")  # read at every layer call (models/llama.py)
+    quant_tiles.FUSED_MLP_ONE_ROW = fused_mlp if method == "fp8_fused_mlp" else None
     model = ge.dummy_model(config, 1024, dtype, device)
     if method != "bf16":
         ge.quantize_model(model, "fp8")
         ge.free(device)
+    check = mlp_check(model, device, dtype) if method == "fp8_fused_mlp" else None
     engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
     r = ge.time_decode_steps(engine, device, 1, 512, 20)
     result = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
     result["fuse_fp8_act_quant"] = quant_tiles.FUSE_FP8_ACT_QUANT
+    if check is not None:
+        result["fused_mlp"], result["mlp_check"] = fused_mlp, check
+        print("mlp_check", check, flush=True)
+    quant_tiles.FUSED_MLP_ONE_ROW = None
     print(method, r["median_step_s"], r["graph_replay_s"], f"{time.perf_counter() - t0:.1f} s", flush=True)
     del engine, model
     ge.free(device)
@@ -85,6 +113,9 @@ def main() -> int:
     ap.add_argument("--gemv-m1", action="store_true",
                     help="also time fp8 (fused) with the CUDA-core GEMV tiles for one row that W8A16_TILES had "
                          "before the fp8 MMA (method fp8_fused_gemv_m1)")
+    ap.add_argument("--fused-mlp", default=None,
+                    help="a JSON quant_tiles.FUSED_MLP_ONE_ROW: also time fp8 (fused quantizer) with each layer's MLP "
+                         "block as one persistent launch (method fp8_fused_mlp)")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config("llama-3.1-8b")
@@ -98,12 +129,15 @@ def main() -> int:
         methods.append("fp8_fused")
     if args.gemv_m1:
         methods.append("fp8_fused_gemv_m1")
+    fused_mlp = json.loads(args.fused_mlp) if args.fused_mlp else None
+    if fused_mlp:
+        methods.append("fp8_fused_mlp")
     gemv_m1 = {**quant_tiles.W8A16_TILES.by_rows,
                1: quant_tiles.TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, use_dot=False)}
     for method in methods:
         # the tiles hold until this method's engine is gone: its CUDA graphs capture the launches
         with quant_tiles.override(quant_tiles.W8A16_TILES, gemv_m1 if method == "fp8_fused_gemv_m1" else None):
-            out["by_method"][method] = time_method(method, config, device, dtype)
+            out["by_method"][method] = time_method(method, config, device, dtype, fused_mlp)
     quant_tiles.FUSE_FP8_ACT_QUANT = False
     steps = out["by_method"]
     out["fp8_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8"]["median_step_s"]
@@ -117,6 +151,9 @@ def main() -> int:
         gemv = steps["fp8_fused_gemv_m1"]["median_step_s"]
         out["fp8_fused_gemv_m1_speedup_b1"] = steps["bf16"]["median_step_s"] / gemv
         print("fp8_fused_gemv_m1_speedup_b1", out["fp8_fused_gemv_m1_speedup_b1"])
+    if "fp8_fused_mlp" in steps:
+        out["fp8_fused_mlp_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8_fused_mlp"]["median_step_s"]
+        print("fp8_fused_mlp_speedup_b1", out["fp8_fused_mlp_speedup_b1"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     return 0

@@ -239,6 +239,11 @@ def main() -> None:
     if base:
         report["speedup_vs_engine"] = {k: base / e["us_per_block"] for k, e in report["by_method"].items()
                                        if e.get("us_per_block")}
+    timed = {k: e["us_per_block"] for k, e in report["by_method"].items()
+             if k.startswith("persistent_bn") and not k.endswith("_no_pdl") and e.get("us_per_block")}
+    if timed:  # the fastest tiling, as quant_tiles.FUSED_MLP_ONE_ROW takes it (fp8_b1_quick.py --fused-mlp)
+        tiles, per_sm = tile_sets[min(timed, key=timed.get)[len("persistent_"):]]
+        report["best_one_row_config"] = {**tiles, "programs_per_sm": per_sm}
     report["total_seconds"] = time.perf_counter() - t_start
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

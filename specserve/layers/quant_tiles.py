@@ -169,6 +169,12 @@ BF16_GEMV_TILES = TileTable(
 # (benchmarks/results/fp8_b1_session13.json; under a per-step device sync it had measured no gain).
 FUSE_FP8_ACT_QUANT = True
 
+# The FP8 MLP block of a one-row step (a batch-1 decode) as one persistent launch (layers/triton_fused_mlp.py:
+# residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),
+# when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm", or None
+# (off). Read at every layer call (models/llama.py), so set it before the engine captures its CUDA graphs.
+FUSED_MLP_ONE_ROW: dict | None = None
+
 # bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row
 # buckets (an entry serves previous bucket < M <= bucket; the first serves BF16_GEMM_MIN_ROWS < M <= it) -> the
 # configuration, or None for cuBLAS. Shapes and row counts without an entry keep cuBLAS. Only shapes where

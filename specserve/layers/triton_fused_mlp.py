@@ -215,10 +215,9 @@ def fused_mlp_fp8(
     if x.shape != (1, h) or residual.shape != (1, h) or w_gate_up.shape != (2 * i, h) or w_down.shape != (h, i):
         raise ValueError(f"fused_mlp_fp8: shapes x {tuple(x.shape)}, gate_up {tuple(w_gate_up.shape)}, "
                          f"down {tuple(w_down.shape)} do not fit one row of an [{h}] -> [{i}] MLP")
-    if i % bn1 or h % bk1 or h % bn2 or i % bk2 or any(v & (v - 1) for v in (h, bn1, bk1, bn2, bk2)):
-        raise ValueError(f"fused_mlp_fp8: H={h}, I={i} do not tile by ({bn1}, {bk1}, {bn2}, {bk2})")
-    if num_programs > min(i // bn1, h // bn2):
-        raise ValueError(f"fused_mlp_fp8: {num_programs} programs for {min(i // bn1, h // bn2)} tiles")
+    problem = tiling_problem(h, i, num_programs, bn1, bk1, bn2, bk2)
+    if problem:
+        raise ValueError(f"fused_mlp_fp8: {problem}")
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
     out = torch.empty_like(x) if out is None else out
     act = torch.empty(i, dtype=x.dtype, device=x.device) if act is None else act
@@ -238,6 +237,18 @@ def fused_mlp_fp8(
                              f"({compiled.n_regs} registers, {compiled.metadata.shared} B shared each)")
     _fused_mlp_kernel[(num_programs,)](*args, **kwargs)
     return out, residual_out
+
+
+def tiling_problem(hidden: int, inter: int, num_programs: int, bn1: int, bk1: int, bn2: int, bk2: int) -> str | None:
+    """Why an ``[hidden] -> [inter]`` MLP cannot run with these tiles and programs, or None: tiles must divide
+    exactly, ``hidden`` and the tile sizes be powers of two, and every program own at least one tile of each
+    projection (e.g. SmolLM2's hidden 576 is not a power of two)."""
+    if inter % bn1 or hidden % bk1 or hidden % bn2 or inter % bk2 or any(
+            v <= 0 or v & (v - 1) for v in (hidden, bn1, bk1, bn2, bk2)):
+        return f"H={hidden}, I={inter} do not tile by ({bn1}, {bk1}, {bn2}, {bk2})"
+    if num_programs > min(inter // bn1, hidden // bn2):
+        return f"{num_programs} programs for {min(inter // bn1, hidden // bn2)} tiles"
+    return None
 
 
 def resident_programs_per_sm(regs_per_thread: int, num_warps: int, shared_bytes: int, sm_shared_bytes: int,

@@ -154,6 +154,11 @@ def main() -> None:
         "bn4_bk1024_bn8_bk1024_w4_s4_x2": (dict(bn1=4, bk1=1024, bn2=8, bk2=1024, num_warps=4, stages=4), 2),
         "bn4_bk1024_bn8_bk1024_w4_s4_x3": (dict(bn1=4, bk1=1024, bn2=8, bk2=1024, num_warps=4, stages=4), 3),
         "bn8_bk512_bn16_bk512_w4_s6_x1": (dict(bn1=8, bk1=512, bn2=16, bk2=512, num_warps=4, stages=6), 1),
+        # one K chunk spans the row (bk1 = H): each program makes the normed, quantized row once
+        "bn2_bk4096_bn16_bk1024_w8_s4_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 1),
+        "bn2_bk4096_bn16_bk1024_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 2),
+        "bn2_bk4096_bn16_bk1024_w8_s6_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=6), 1),
+        "bn4_bk4096_bn16_bk1024_w8_s3_x2": (dict(bn1=4, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=3), 2),
     }
     # ---- correctness, one block, eager
     l0 = layers[0]

@@ -132,11 +132,16 @@ def _fused_mlp_kernel(
     sf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
     h_scale = 1.0
+    # the normed row (its per-token scale needs all of it: every program norms the whole row once)
+    h = (sf * rstd).to(tl.bfloat16).to(tl.float32)
+    h = (h * tl.load(norm_w_ptr + hcols).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
     if ACT_QUANT:
-        # the normed row's per-token scale needs all of it: every program norms the whole row once
-        h = (sf * rstd).to(tl.bfloat16).to(tl.float32)
-        h = (h * tl.load(norm_w_ptr + hcols).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         h_scale = _fp8_scale(tl.max(tl.abs(h), axis=0))
+    if BK1 == H:  # one K chunk per tile: the row's operand once, for all of this program's tiles
+        h_row = h
+        if ACT_QUANT:
+            h_row = _fp8_quantize(h, h_scale).to(tl.float32)
+    if ACT_QUANT:
         # this launch's amax slot: the counter's generation does not move before every program has arrived at
         # the barrier, so all programs read the same parity; program 0 clears the other slot for the next launch
         parity = (tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu") // NUM_PROGRAMS) % 2
@@ -148,12 +153,15 @@ def _fused_mlp_kernel(
     for j in tl.range(0, steps1, num_stages=STAGES):  # weight tiles pipelined through shared memory
         wa = tl.load(_gate_up_item(w_gu_ptr, j, pid, row_off, c1, I, H, BN1, BK1, NUM_PROGRAMS), mask=j < n1,
                      other=0.0)
-        k = (j % chunks1) * BK1 + c1
-        hk = (tl.load(x_ptr + k).to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(tl.bfloat16)
-        hk = (hk.to(tl.float32) * rstd).to(tl.bfloat16).to(tl.float32)
-        hk = (hk * tl.load(norm_w_ptr + k).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-        if ACT_QUANT:
-            hk = _fp8_quantize(hk, h_scale).to(tl.float32)  # e4m3 -> fp32 exact: the products are too
+        if BK1 == H:
+            hk = h_row
+        else:  # recomputed per item from L1 / L2: 6 B of activations per weight tile column
+            k = (j % chunks1) * BK1 + c1
+            hk = (tl.load(x_ptr + k).to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(tl.bfloat16)
+            hk = (hk.to(tl.float32) * rstd).to(tl.bfloat16).to(tl.float32)
+            hk = (hk * tl.load(norm_w_ptr + k).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+            if ACT_QUANT:
+                hk = _fp8_quantize(hk, h_scale).to(tl.float32)  # e4m3 -> fp32 exact: the products are too
         acc1 += tl.sum(wa.to(tl.float32) * hk[None, :], axis=1)
         if j % chunks1 == chunks1 - 1:
             tile = pid + (j // chunks1) * NUM_PROGRAMS

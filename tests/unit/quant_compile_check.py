@@ -54,7 +54,8 @@ KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_k
            (triton_fused_mlp, "_fused_mlp_kernel"))
 # The persistent FP8 MLP's tilings (bn1, bk1, bn2, bk2, warps, stages), as benchmarks/persistent_mlp_gpu.py times them
 FUSED_MLP_TILINGS = ((8, 1024, 16, 1024, 8, 4), (8, 1024, 16, 1024, 8, 6), (4, 1024, 8, 1024, 4, 4),
-                     (8, 512, 16, 512, 4, 6))
+                     (8, 512, 16, 512, 4, 6), (2, 4096, 16, 1024, 8, 4), (2, 4096, 16, 1024, 8, 6),
+                     (4, 4096, 16, 1024, 8, 3))
 
 
 class Recorder:

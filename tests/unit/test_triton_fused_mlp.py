@@ -31,7 +31,7 @@ if DEVICE.type == "cpu":
 
 TILINGS = [  # (bn1, bk1, bn2, bk2)
     (8, 32, 16, 32),
-    (4, 64, 8, 32),
+    (4, 64, 8, 32),  # bk1 = H (64): one K chunk spans the row, the normed row made once per program
     (2, 16, 4, 16),
     (16, 64, 32, 32),
 ]

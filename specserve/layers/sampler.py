@@ -138,8 +138,8 @@ def _filter_thresholds(
     """``apply_top_k_top_p`` on CUDA, with no host sync: the kept tokens of a row are those at or above one
     threshold, which a Triton kernel finds (``layers/triton_sampler.py``) from the row's candidates (a top-k of
     ``max(k)`` for rows with top-k, ``TOP_P_CANDIDATES`` for rows with top-p only) or, for a nucleus that runs past
-    them, by bisection over the row. The same tokens as the sort, except that tokens tied with the last kept one
-    are all kept (a sort keeps an arbitrary few of them) and a token whose mass before it is within fp32
+    them, by a multi-way search over the row. The same tokens as the sort, except that tokens tied with the last kept
+    one are all kept (a sort keeps an arbitrary few of them) and a token whose mass before it is within fp32
     rounding of p can go either way."""
     vocab, device = logits.shape[-1], logits.device
     need = [0 if k == vocab and p >= 1.0 else k if k < vocab else TOP_P_CANDIDATES for k, p in zip(k_eff, top_p)]

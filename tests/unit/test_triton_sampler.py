@@ -129,7 +129,7 @@ def thresholds_keep(z: torch.Tensor, k_eff: list[int], top_p: list[float], top_p
 def test_thresholds_keep_the_sorts_tokens(seed, rows) -> None:
     """Top-k / top-p as one threshold per row keeps the tokens the full sort (``_filter_sorted``) keeps, for rows
     of every kind in one launch: unfiltered, top-k only, top-p resolved among the candidates, top-k and top-p,
-    and a flat row whose nucleus runs past the candidates (the bisection over the row). A token may differ only
+    and a flat row whose nucleus runs past the candidates (the search over the row). A token may differ only
     where fp32 rounding of its mass before it (within 3e-6 of p) or a tie at the edge decides (p = 0.999999 puts
     several tail tokens of ~1e-8 each there)."""
     from specserve.layers.sampler import _filter_sorted
@@ -145,7 +145,7 @@ def test_thresholds_keep_the_sorts_tokens(seed, rows) -> None:
         assert bool(got[r][z[r].argmax()])  # the top token always stays
 
 
-def test_a_flat_row_is_bisected_past_the_candidates() -> None:
+def test_a_flat_row_is_searched_past_the_candidates() -> None:
     """A nucleus of ~1,800 tokens with 64 candidates: the kernel's threshold keeps exactly the sort's tokens, and
     a top-k-only row beside it keeps its k."""
     from specserve.layers.sampler import _filter_sorted
@@ -182,8 +182,9 @@ for block, warps in ((triton_sampler.DRAW_BLOCK, 8), (64, 4)):
 fn = triton_sampler._threshold_kernel
 signature = {"z_ptr": "*fp32", "vals_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "tau_ptr": "*fp32",
              "vocab_size": "i32", "num_cand": "i32", "stride_z": "i32", "stride_v": "i32", "BLOCK": "constexpr",
-             "BISECT_STEPS": "constexpr"}
-k = triton.compile(ASTSource(fn, signature, {"BLOCK": triton_sampler.THRESHOLD_BLOCK, "BISECT_STEPS": 33}),
+             "SPLITS": "constexpr"}
+k = triton.compile(ASTSource(fn, signature, {"BLOCK": triton_sampler.THRESHOLD_BLOCK,
+                                       "SPLITS": triton_sampler.THRESHOLD_SPLITS}),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 print("compiled thresholds", len(k.asm["ptx"]) > 0)
 """
@@ -191,7 +192,7 @@ print("compiled thresholds", len(k.asm["ptx"]) > 0)
 
 @pytest.mark.slow
 def test_the_kernels_compile_for_hopper(tmp_path) -> None:
-    # The interpreter never lowers the kernels (fp64 scans, float-key bisection): compile them for sm_90 without a GPU.
+    # The interpreter never lowers the kernels (fp64 scans, the float-key search): compile them for sm_90 without a GPU.
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -158,7 +158,9 @@ def main() -> None:
         "bn2_bk4096_bn16_bk1024_w8_s4_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 1),
         "bn2_bk4096_bn16_bk1024_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 2),
         "bn2_bk4096_bn16_bk1024_w8_s6_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=6), 1),
-        "bn4_bk4096_bn16_bk1024_w8_s3_x2": (dict(bn1=4, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=3), 2),
+        "bn2_bk4096_bn8_bk1024_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=8, bk2=1024, num_warps=8, stages=4), 2),
+        "bn2_bk4096_bn8_bk2048_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=8, bk2=2048, num_warps=8, stages=4), 2),
+        "bn2_bk4096_bn8_bk2048_w4_s4_x3": (dict(bn1=2, bk1=4096, bn2=8, bk2=2048, num_warps=4, stages=4), 3),
     }
     # ---- correctness, one block, eager
     l0 = layers[0]
@@ -202,7 +204,7 @@ def main() -> None:
     for name, (tiles, per_sm) in tile_sets.items():
         if "error" not in report["check"][name]:
             methods["persistent_" + name] = (lambda t=tiles, n=per_sm: FusedChain(layers, x, res, sms * n, t))
-    tiles, per_sm = tile_sets["bn8_bk1024_bn16_bk1024_w8_s4_x2"]
+    tiles, per_sm = tile_sets["bn2_bk4096_bn16_bk1024_w8_s4_x1"]
     methods["persistent_no_act_quant"] = lambda: FusedChain(layers, x, res, sms * per_sm, tiles, act_quant=False)
     chains = {}
     for name, make in methods.items():

@@ -237,6 +237,7 @@ def fused_mlp_fp8(
                   ACT_QUANT=act_quant, num_warps=num_warps, **pdl_args(x.device))
     if x.is_cuda:  # the grid barrier needs every program resident at once: refuse a launch that could hang
         compiled = _fused_mlp_kernel.warmup(*args, grid=(num_programs,), **kwargs)
+        compiled._init_handles()  # loads the binary, which sets n_regs (Triton 3.6 fills it in lazily)
         props = torch.cuda.get_device_properties(x.device)
         per_sm = resident_programs_per_sm(compiled.n_regs, num_warps, compiled.metadata.shared,
                                           props.shared_memory_per_multiprocessor)

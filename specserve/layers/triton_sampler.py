@@ -103,10 +103,11 @@ def draw_tokens_triton(
 # (a top-k of the largest logits, torch.topk) and one program per row finds tau: the k-th candidate (top-k only);
 # with top-p, the last candidate whose mass before it (under the softmax over the top-k set, or the whole row) is
 # below p, the first always; and when the candidates' mass does not reach p, the smallest float t with
-# mass(z > t) < p, by a 16-way search on the floats' order over the whole row (8 passes; the 33-pass bisection it
-# replaces took ~2 ms for 32 flat rows of 128k on an H100, against ~1 ms for the torch sort; peaked rows end among
-# the candidates). Nothing is read back to the host, so an asynchronous decode step's launch never waits for the
-# step before it.
+# mass(z > t) < p, by an 8-way search on the floats' order over the whole row (11 passes, each summing per lane
+# and reducing once). On an H100, 32 flat rows of 128k: 0.64 ms for the kernel, against 2.0 ms for the 33-pass
+# bisection with a reduction per block it replaced (benchmarks/results/sampler_cost_search_h100.json); peaked rows
+# end among the candidates. Nothing is read back to the host, so an asynchronous decode step's launch never waits
+# for the step before it.
 #
 # Example: candidates [3.0, 2.0, 1.0, ...] with probabilities [0.6, 0.3, 0.05, ...], p = 0.8: masses before them
 # 0, 0.6, 0.9 -> two kept, tau = 2.0; top-k 1 alone -> tau = 3.0.
@@ -134,6 +135,7 @@ def _threshold_kernel(
     vocab_size, num_cand, stride_z, stride_v,
     BLOCK: tl.constexpr,
     SPLITS: tl.constexpr,  # threshold probes per pass over the row (a power of two)
+    SEARCH_BLOCK: tl.constexpr,  # row tokens a program reads per step of the search
 ):
     row = tl.program_id(0).to(tl.int64)
     k = tl.load(k_ptr + row)
@@ -175,21 +177,24 @@ def _threshold_kernel(
         else:
             # it runs past them: the smallest float t with mass(z > t) < p (mass(z > z_j) is the mass before
             # token j), searched on the floats' order with SPLITS probes per pass over the row (the interval of keys
-            # shrinks SPLITS + 1 times a pass: 8 passes for 2^32 keys at 16, where bisection took 33); invariant:
+            # shrinks SPLITS + 1 times a pass: 11 passes for 2^32 keys at 8, where bisection took 33); invariant:
             # g(lo) false (all the mass), g(hi) true (none); g is monotone, so the probes' answers are a run of
             # falses then trues and the new interval lies between the last false and the first true
             lo = _ordered_key(tl.full((), float("-inf"), tl.float32))
             hi = _ordered_key(m)
             probe = tl.arange(0, SPLITS)
+            search_offs = tl.arange(0, SEARCH_BLOCK)
             while hi - lo > 1:
                 keys = lo + (hi - lo) * (probe + 1) // (SPLITS + 1)  # [SPLITS] in [lo, hi), ascending
                 t = _from_key(keys)
-                above = tl.zeros((SPLITS,), dtype=tl.float32)
-                for start in range(0, vocab_size, BLOCK):
-                    idx = start + offs
+                # per-lane sums, reduced across the program once a pass (a reduction per block of the row would
+                # stall every block on a barrier: the kernel is latency-bound, one program per row)
+                acc = tl.zeros((SPLITS, SEARCH_BLOCK), dtype=tl.float32)
+                for start in range(0, vocab_size, SEARCH_BLOCK):
+                    idx = start + search_offs
                     z = tl.load(z_row + idx, mask=idx < vocab_size, other=float("-inf"))
-                    e = tl.exp(z - m)
-                    above += tl.sum(tl.where(z[None, :] > t[:, None], e[None, :], 0.0), axis=1)
+                    acc += tl.where(z[None, :] > t[:, None], tl.exp(z - m)[None, :], 0.0)
+                above = tl.sum(acc, axis=1)
                 below = above < p * norm
                 hi = tl.min(tl.where(below, keys, hi), axis=0)
                 lo = tl.max(tl.where(below, lo, keys), axis=0)
@@ -198,7 +203,8 @@ def _threshold_kernel(
 
 
 THRESHOLD_BLOCK = 1024  # candidates (and row tokens) a program reads per step
-THRESHOLD_SPLITS = 16  # probes per pass of a flat row's threshold search
+THRESHOLD_SPLITS = 8  # probes per pass of a flat row's threshold search
+THRESHOLD_SEARCH_BLOCK = 256  # row tokens per step of that search ([SPLITS, SEARCH_BLOCK] sums per program)
 
 
 def top_k_top_p_thresholds_triton(
@@ -217,5 +223,6 @@ def top_k_top_p_thresholds_triton(
     if vals.stride(1) != 1:
         vals = vals.contiguous()
     _threshold_kernel[(num_rows,)](z, vals, top_k, top_p, tau, vocab, vals.shape[1], z.stride(0), vals.stride(0),
-                                   BLOCK=THRESHOLD_BLOCK, SPLITS=THRESHOLD_SPLITS, num_warps=8)
+                                   BLOCK=THRESHOLD_BLOCK, SPLITS=THRESHOLD_SPLITS,
+                                   SEARCH_BLOCK=THRESHOLD_SEARCH_BLOCK, num_warps=8)
     return tau

@@ -182,9 +182,10 @@ for block, warps in ((triton_sampler.DRAW_BLOCK, 8), (64, 4)):
 fn = triton_sampler._threshold_kernel
 signature = {"z_ptr": "*fp32", "vals_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "tau_ptr": "*fp32",
              "vocab_size": "i32", "num_cand": "i32", "stride_z": "i32", "stride_v": "i32", "BLOCK": "constexpr",
-             "SPLITS": "constexpr"}
+             "SPLITS": "constexpr", "SEARCH_BLOCK": "constexpr"}
 k = triton.compile(ASTSource(fn, signature, {"BLOCK": triton_sampler.THRESHOLD_BLOCK,
-                                       "SPLITS": triton_sampler.THRESHOLD_SPLITS}),
+                                       "SPLITS": triton_sampler.THRESHOLD_SPLITS,
+                                       "SEARCH_BLOCK": triton_sampler.THRESHOLD_SEARCH_BLOCK}),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 print("compiled thresholds", len(k.asm["ptx"]) > 0)
 """

@@ -10,7 +10,8 @@ e4m3: 176 MB) over that time, and that as a fraction of the copy bandwidth measu
 (before any timing, on this GPU): the persistent kernel, with its activations quantized per token to e4m3 as the
 engine does (the default) and without (``persistent_no_act_quant``), against ``fused_mlp_reference`` (float64
 sums), and the engine chain against the same reference (its fp8 MMA keeps fewer bits in its running sums, so
-only close); and the barrier counter after every launch equals launches x programs (each program arrived once).
+only close); and the barrier counter after every launch equals launches x programs x barriers (each program
+arrived once at each).
 """
 
 from __future__ import annotations
@@ -229,7 +230,8 @@ def main() -> None:
                     if isinstance(chain, FusedChain):
                         # launches counted at eager warm-up + capture; each replay adds `layers` launches
                         launches = (chain.launches - before - args.layers) + replays * args.layers
-                        entry["counter_ok"] = int(chain.counter.item()) - c0 == launches * chain.p
+                        barriers = 2 if chain.act_quant else 1  # q(act) between two barriers
+                        entry["counter_ok"] = int(chain.counter.item()) - c0 == launches * chain.p * barriers
                     print(key, f"{step * 1e6 / args.layers:.2f} us/block", flush=True)
                 except Exception as e:  # noqa: BLE001
                     report["by_method"].setdefault(key, {})["error"] = repr(e)[:300]

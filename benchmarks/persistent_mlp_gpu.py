@@ -146,23 +146,15 @@ def main() -> None:
               "copy_bandwidth_gb_s": copy_bandwidth(device, 1 << 30) / 1e9, "check": {}, "by_method": {}}
     bw = report["copy_bandwidth_gb_s"] * 1e9
 
-    # (gate|up channels, K chunk, down rows, K chunk, warps, pipeline stages) and programs per multiprocessor
-    tile_sets = {
-        "bn8_bk1024_bn16_bk1024_w8_s4_x1": (dict(bn1=8, bk1=1024, bn2=16, bk2=1024, num_warps=8, stages=4), 1),
-        "bn8_bk1024_bn16_bk1024_w8_s4_x2": (dict(bn1=8, bk1=1024, bn2=16, bk2=1024, num_warps=8, stages=4), 2),
-        "bn8_bk1024_bn16_bk1024_w8_s6_x1": (dict(bn1=8, bk1=1024, bn2=16, bk2=1024, num_warps=8, stages=6), 1),
-        "bn8_bk1024_bn16_bk1024_w8_s6_x2": (dict(bn1=8, bk1=1024, bn2=16, bk2=1024, num_warps=8, stages=6), 2),
-        "bn4_bk1024_bn8_bk1024_w4_s4_x2": (dict(bn1=4, bk1=1024, bn2=8, bk2=1024, num_warps=4, stages=4), 2),
-        "bn4_bk1024_bn8_bk1024_w4_s4_x3": (dict(bn1=4, bk1=1024, bn2=8, bk2=1024, num_warps=4, stages=4), 3),
-        "bn8_bk512_bn16_bk512_w4_s6_x1": (dict(bn1=8, bk1=512, bn2=16, bk2=512, num_warps=4, stages=6), 1),
-        # one K chunk spans the row (bk1 = H): each program makes the normed, quantized row once
-        "bn2_bk4096_bn16_bk1024_w8_s4_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 1),
-        "bn2_bk4096_bn16_bk1024_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=4), 2),
-        "bn2_bk4096_bn16_bk1024_w8_s6_x1": (dict(bn1=2, bk1=4096, bn2=16, bk2=1024, num_warps=8, stages=6), 1),
-        "bn2_bk4096_bn8_bk1024_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=8, bk2=1024, num_warps=8, stages=4), 2),
-        "bn2_bk4096_bn8_bk2048_w8_s4_x2": (dict(bn1=2, bk1=4096, bn2=8, bk2=2048, num_warps=8, stages=4), 2),
-        "bn2_bk4096_bn8_bk2048_w4_s4_x3": (dict(bn1=2, bk1=4096, bn2=8, bk2=2048, num_warps=4, stages=4), 3),
-    }
+    # (gate|up channels, K chunk, down rows, K chunk, warps, pipeline stages, programs per multiprocessor);
+    # bk1 = H (4096): one K chunk spans the row, so each program makes the normed, quantized row once
+    tilings = [(8, 1024, 16, 1024, 8, 4, 1), (8, 1024, 16, 1024, 8, 6, 1), (4, 1024, 8, 1024, 4, 4, 2),
+               (4, 1024, 8, 1024, 4, 4, 3), (8, 512, 16, 512, 4, 6, 1), (2, 4096, 16, 1024, 8, 4, 1),
+               (2, 4096, 16, 1024, 8, 6, 1), (2, 4096, 8, 1024, 8, 4, 2), (2, 4096, 8, 2048, 8, 4, 2),
+               (2, 4096, 8, 2048, 4, 4, 3)]
+    tile_sets = {f"bn{n1}_bk{k1}_bn{n2}_bk{k2}_w{w}_s{st}_x{x}":
+                 (dict(bn1=n1, bk1=k1, bn2=n2, bk2=k2, num_warps=w, stages=st), x)
+                 for n1, k1, n2, k2, w, st, x in tilings}
     # ---- correctness, one block, eager
     l0 = layers[0]
     args0 = (x, res, l0["norm"], l0["w_gu"], l0["s_gu"], l0["w_d"], l0["s_d"], EPS)

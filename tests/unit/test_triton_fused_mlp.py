@@ -21,12 +21,13 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
-from specserve.layers import triton_fused_mlp  # noqa: E402
+from specserve.layers import triton_fused_mlp, triton_w8a16  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
-from tests.triton_interpreter import fix_interpreter, reload_interpreted  # noqa: E402
+from tests.triton_interpreter import fix_interpreter, reload_interpreted_chain  # noqa: E402
 
-if DEVICE.type == "cpu":
-    triton_fused_mlp = reload_interpreted(triton_fused_mlp, "_fused_mlp_kernel")
+if DEVICE.type == "cpu":  # the kernel calls triton_w8a16's quantizer helpers: those must be interpreted too
+    _, triton_fused_mlp = reload_interpreted_chain((triton_w8a16, "_w8a16_kernel"),
+                                                   (triton_fused_mlp, "_fused_mlp_kernel"))
     fix_interpreter()
 
 TILINGS = [  # (bn1, bk1, bn2, bk2)

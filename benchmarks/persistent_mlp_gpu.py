@@ -34,6 +34,13 @@ from specserve.layers.triton_fused_mlp import fused_mlp_fp8, fused_mlp_reference
 from specserve.layers.triton_ops import TritonOps  # noqa: E402
 
 EPS = 1e-5
+# (gate|up channels, K chunk, down rows, K chunk, warps, pipeline stages, programs per multiprocessor), also
+# compiled for sm_90 by tests/unit/quant_compile_check.py; bk1 = H (4096): one K chunk spans the row, so each
+# program makes the normed, quantized row once
+TILINGS = [(8, 1024, 16, 1024, 8, 4, 1), (8, 1024, 16, 1024, 8, 6, 1), (4, 1024, 8, 1024, 4, 4, 2),
+           (4, 1024, 8, 1024, 4, 4, 3), (8, 512, 16, 512, 4, 6, 1), (2, 4096, 16, 1024, 8, 4, 1),
+           (2, 4096, 16, 1024, 8, 6, 1), (2, 4096, 8, 1024, 8, 4, 2), (2, 4096, 8, 2048, 8, 4, 2),
+           (2, 4096, 8, 2048, 4, 4, 3)]
 
 
 def make_layers(n: int, hidden: int, inter: int, device: torch.device, gen: torch.Generator) -> list[dict]:
@@ -146,15 +153,9 @@ def main() -> None:
               "copy_bandwidth_gb_s": copy_bandwidth(device, 1 << 30) / 1e9, "check": {}, "by_method": {}}
     bw = report["copy_bandwidth_gb_s"] * 1e9
 
-    # (gate|up channels, K chunk, down rows, K chunk, warps, pipeline stages, programs per multiprocessor);
-    # bk1 = H (4096): one K chunk spans the row, so each program makes the normed, quantized row once
-    tilings = [(8, 1024, 16, 1024, 8, 4, 1), (8, 1024, 16, 1024, 8, 6, 1), (4, 1024, 8, 1024, 4, 4, 2),
-               (4, 1024, 8, 1024, 4, 4, 3), (8, 512, 16, 512, 4, 6, 1), (2, 4096, 16, 1024, 8, 4, 1),
-               (2, 4096, 16, 1024, 8, 6, 1), (2, 4096, 8, 1024, 8, 4, 2), (2, 4096, 8, 2048, 8, 4, 2),
-               (2, 4096, 8, 2048, 4, 4, 3)]
     tile_sets = {f"bn{n1}_bk{k1}_bn{n2}_bk{k2}_w{w}_s{st}_x{x}":
                  (dict(bn1=n1, bk1=k1, bn2=n2, bk2=k2, num_warps=w, stages=st), x)
-                 for n1, k1, n2, k2, w, st, x in tilings}
+                 for n1, k1, n2, k2, w, st, x in TILINGS}
     # ---- correctness, one block, eager
     l0 = layers[0]
     args0 = (x, res, l0["norm"], l0["w_gu"], l0["s_gu"], l0["w_d"], l0["s_d"], EPS)

@@ -106,7 +106,7 @@ def _fused_mlp_kernel(
     QUANT_BLOCK: tl.constexpr,  # act values a program quantizes per step (ACT_QUANT)
     STAGES: tl.constexpr,  # weight tiles in flight per program (Triton's software pipelining of the loads)
     ACT_QUANT: tl.constexpr,  # quantize both projections' activations per token to e4m3 (the engine's FP8 maths)
-    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl); the wait comes after the first loads
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl); the wait comes before any load
 ):
     pid = tl.program_id(0)
     chunks1: tl.constexpr = H // BK1

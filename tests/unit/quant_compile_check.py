@@ -52,10 +52,6 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_kernel"),
            (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"), (triton_gemm, "_gemm_kernel"),
            (triton_fused_mlp, "_fused_mlp_kernel"))
-# The persistent FP8 MLP's tilings (bn1, bk1, bn2, bk2, warps, stages), as benchmarks/persistent_mlp_gpu.py times them
-FUSED_MLP_TILINGS = ((8, 1024, 16, 1024, 8, 4), (8, 1024, 16, 1024, 8, 6), (4, 1024, 8, 1024, 4, 4),
-                     (8, 512, 16, 512, 4, 6), (2, 4096, 16, 1024, 8, 4), (2, 4096, 16, 1024, 8, 6),
-                     (4, 4096, 16, 1024, 8, 3))
 
 
 class Recorder:
@@ -178,7 +174,8 @@ def table_calls(quick: bool):
         x1 = torch.zeros(1, hidden, dtype=torch.bfloat16)
         w_gu = torch.zeros(2 * inter, hidden, dtype=torch.float8_e4m3fn)
         w_d = torch.zeros(hidden, inter, dtype=torch.float8_e4m3fn)
-        for bn1, bk1, bn2, bk2, warps, stages in FUSED_MLP_TILINGS[:1] if quick else FUSED_MLP_TILINGS:
+        tilings = load_benchmark("persistent_mlp_gpu").TILINGS  # the ones it times (programs per SM aside)
+        for bn1, bk1, bn2, bk2, warps, stages, _ in tilings[:1] if quick else tilings:
             for act_quant in (True, False):
                 triton_fused_mlp.fused_mlp_fp8(x1, x1, x1[0], w_gu, torch.ones(2 * inter), w_d, torch.ones(hidden),
                                                1e-5, torch.zeros(1, dtype=torch.int32), 132,
@@ -200,11 +197,17 @@ def _replace(cfg, **fields):
     return dataclasses.replace(cfg, **fields)
 
 
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (its sweeps are the configurations to compile)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def sweep_calls():
     """Every configuration the GPU benchmark sweeps, at its row counts, bf16, on the qkv shape."""
-    spec = importlib.util.spec_from_file_location("quant_gemm_gpu", ROOT / "benchmarks" / "quant_gemm_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("quant_gemm_gpu")
 
     def calls() -> None:
         n, k = SHAPES[0]

@@ -5,11 +5,14 @@ is not enough device time for the whole script. GPU machine, not CI.
     python benchmarks/fp8_b1_quick.py                    # writes $OUT/fp8_b1.json
     python benchmarks/fp8_b1_quick.py --fuse-act-quant   # fp8 twice: quantizer launched alone, then fused
     python benchmarks/fp8_b1_quick.py --fuse-act-quant --fused-mlp '{"bn1": 8, ..., "programs_per_sm": 2}'
+    bash benchmarks/fp8_mlp_chain.sh   # persistent_mlp_gpu.py, then this with its best tiling and --lm-head
 
 ``--fuse-act-quant`` times fp8 a second time with ``quant_tiles.FUSE_FP8_ACT_QUANT`` on (the norms and
 silu_and_mul emit the e4m3 activations of qkv / gate_up / down themselves: 3 launches fewer per layer, the same
 bits; ``models/llama.py``), as method ``fp8_fused``, and first checks on this GPU that the fused ops' e4m3 rows
 and scales equal the unfused op followed by the fused quantizer, bit for bit (``fused_bitwise``).
+``--lm-head`` times each fused fp8 method once more with the LM head quantized too (``..._lm_head``; gpu_engine's
+``fp8_lm_head``, not the bar's FP8, which keeps the bf16 LM head).
 """
 
 from __future__ import annotations
@@ -86,12 +89,13 @@ def time_method(method: str, config, device: torch.device, dtype: torch.dtype, f
     quantizer launched alone ("fp8") or fused into the norms and silu_and_mul ("fp8_fused*")."""
     t0 = time.perf_counter()
     quant_tiles.FUSE_FP8_ACT_QUANT = method.startswith("fp8_fused")  # read at every layer call (models/llama.py)
-    quant_tiles.FUSED_MLP_ONE_ROW = fused_mlp if method == "fp8_fused_mlp" else None
+    with_mlp = method.removesuffix("_lm_head") == "fp8_fused_mlp"
+    quant_tiles.FUSED_MLP_ONE_ROW = fused_mlp if with_mlp else None
     model = ge.dummy_model(config, 1024, dtype, device)
     if method != "bf16":
-        ge.quantize_model(model, "fp8")
+        ge.quantize_model(model, "fp8", lm_head=method.endswith("_lm_head"))
         ge.free(device)
-    check = mlp_check(model, device, dtype) if method == "fp8_fused_mlp" else None
+    check = mlp_check(model, device, dtype) if with_mlp else None
     engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
     r = ge.time_decode_steps(engine, device, 1, 512, 20)
     result = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
@@ -113,6 +117,8 @@ def main() -> int:
     ap.add_argument("--gemv-m1", action="store_true",
                     help="also time fp8 (fused) with the CUDA-core GEMV tiles for one row that W8A16_TILES had "
                          "before the fp8 MMA (method fp8_fused_gemv_m1)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="also time each fused fp8 method with the LM head quantized (methods ..._lm_head)")
     ap.add_argument("--fused-mlp", default=None,
                     help="a JSON quant_tiles.FUSED_MLP_ONE_ROW: also time fp8 (fused quantizer) with each layer's MLP "
                          "block as one persistent launch (method fp8_fused_mlp)")
@@ -132,6 +138,8 @@ def main() -> int:
     fused_mlp = json.loads(args.fused_mlp) if args.fused_mlp else None
     if fused_mlp:
         methods.append("fp8_fused_mlp")
+    if args.lm_head:
+        methods += [f"{m}_lm_head" for m in methods if m in ("fp8_fused", "fp8_fused_mlp")]
     gemv_m1 = {**quant_tiles.W8A16_TILES.by_rows,
                1: quant_tiles.TileConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, use_dot=False)}
     for method in methods:
@@ -140,6 +148,8 @@ def main() -> int:
             out["by_method"][method] = time_method(method, config, device, dtype, fused_mlp)
     quant_tiles.FUSE_FP8_ACT_QUANT = False
     steps = out["by_method"]
+    out["speedup_vs_bf16"] = {m: steps["bf16"]["median_step_s"] / r["median_step_s"] for m, r in steps.items()}
+    print("speedup_vs_bf16", out["speedup_vs_bf16"])
     out["fp8_speedup_b1"] = steps["bf16"]["median_step_s"] / steps["fp8"]["median_step_s"]
     print("fp8_speedup_b1", out["fp8_speedup_b1"])
     if "fp8_fused" in steps:

@@ -173,6 +173,9 @@ FUSE_FP8_ACT_QUANT = True
 # residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),
 # when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm", or None
 # (off). Read at every layer call (models/llama.py), so set it before the engine captures its CUDA graphs.
+# Off: on an H100 the block alone ties the five launches (69.5 vs 68.8 us, benchmarks/results/
+# persistent_mlp_twobarrier_h100.json) and the whole b1 FP8 step with it on is slower (graph replay 4.13 vs 3.28 ms,
+# fp8_b1_fused_mlp_h100.json).
 FUSED_MLP_ONE_ROW: dict | None = None
 
 # bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row

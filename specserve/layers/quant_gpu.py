@@ -12,7 +12,7 @@ the e4m3 weights once and takes the same per-token e4m3 activations (from the fu
 also quantize them itself, bit for bit the same, but that measured slower on an H200:
 ``quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS``), so every row count computes ``fp8_linear_reference``'s maths: a
 token's output does not depend on how many rows share its step (decode at batch b vs a speculative verify of
-b x (k + 1) rows) beyond fp32 summation order (and, up to 8 rows, the fp8 MMA's partial-sum rounding: see
+b x (k + 1) rows) beyond fp32 summation order (and, up to 32 rows, the fp8 MMA's partial-sum rounding: see
 ``triton_w8a16``). (``activation_quant="none"`` keeps the older unquantized-activation
 W8A16 maths, ``w8a16_linear_reference``, whose small-M results differ from the _scaled_mm path's.)
 Off the accelerator the same maths runs as a reference (dequantize both operands, fp32 matmul).

@@ -113,16 +113,22 @@ W8A16_MAX_ROWS = 32
 # for the amax in every program and was slower at every M (m=1 forward projections 4.04 ms vs 2.94 ms with the
 # fused quantizer first; m=8: 12.4 vs 3.3), so the fused quantizer always runs first.
 W8A16_INKERNEL_QUANT_MAX_ROWS = 0
-# Up to 8 rows: the fp8 MMA on the e4m3 activations the fused ops hand over (``fp8_dot``), 64 x 128 weight tiles
+# Up to 32 rows: the fp8 MMA on the e4m3 activations the fused ops hand over (``fp8_dot``), 64 x 128 weight tiles
 # four stages deep, K split to fill the GPU. On the H200 (benchmarks/results/quant_gemm_fp8dot_gpu.json, pre-quantized
 # activations as in the engine) the four Llama-8B projections of a layer took 65.9 us at M = 1 (the CUDA-core GEMV
 # before it: 71.7; gate_up 30.7 vs 35.9 us, 90% of copy bandwidth) and 67.6 us at M = 8 (the fp16-converting
-# MMA before it: 83.6). Rows 9 to 16 would pad to the same MMA but were not timed; they keep the fp16 MMA.
+# MMA before it: 83.6). Rows 9 to 32 take the same tile: whole FP8 engine steps on an H100, two runs
+# (benchmarks/fp8_rows_ab_gpu.py, fp8_rows_ab_h100_run1/2.json), against the fp16-converting MMA they had: decode at
+# batch 16 4.92 -> 4.44 ms (x1.33 -> x1.47 over bf16), batch 32 5.61 -> 5.04 (x1.23 -> x1.37), an 8-token verify at
+# batch 4 (32 rows) 5.15 -> 4.61 ms; batch 8 unchanged (x1.52 / x1.55). The other tiles that quant_gemm_gpu.py
+# suggested at 16 and 32 rows (quant_gemm_rows16_64_h100.json: block_k 256; a 32-wide fp16 MMA tile) were slower
+# in the step (fp8_k256, fp8_k256_n32 there); through the W8A16 kernel at 64 rows the step lost to _scaled_mm
+# (fp8_dot64 in run 1), so W8A16_MAX_ROWS stays 32. The logits of every variant are as far from bf16's as the
+# previous table's (relative L2 0.45 on the dummy 8B model, which amplifies any e4m3 rounding difference).
 # Numerics: see triton_w8a16's docstring (the fp8 MMA's partial sums of 32 products).
 W8A16_TILES = TileTable(
     by_rows={
-        8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
-        32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0),
+        32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
         64: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },
     by_shape={},

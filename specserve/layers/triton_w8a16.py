@@ -12,7 +12,7 @@
    kernel computes ``fp8_linear_reference`` (``quant_gpu.py``) up to fp32 summation order, for every row
    count: a token's output does not depend on the batch it shares a step with (decode at batch b vs a
    speculative verify of b x (k + 1) rows) beyond summation order. The one exception is the fp8 MMA
-   (``fp8_dot``, the default tiles up to 8 rows): on Hopper its running sum over each 32 products keeps fewer
+   (``fp8_dot``, the default tiles up to 32 rows): on Hopper its running sum over each 32 products keeps fewer
    bits than fp32 (about 14, DeepSeek-V3 report, arXiv 2412.19437, section 3.3.2) before it is added into fp32,
    so there a row differs from the other paths by up to about 2^-14 of the sum's magnitude instead. One launch
    per projection, for the small row counts of decoding (M of 1 to a few dozen), where a GEMM is bound by the bytes
@@ -27,7 +27,7 @@
 W8A16 design. Output channels are tiled by ``BLOCK_N``; a program streams its ``BLOCK_N x K`` slab of weights
 (``BLOCK_K`` bytes contiguous per row per step) and keeps all M rows of activations of the launch (``BLOCK_M``
 >= M), so every weight byte is read once. Three ways to multiply, chosen per row bucket in
-``layers/quant_tiles.py`` (the default tables use the fp8 MMA up to 8 rows and the fp16 MMA above; the GEMV
+``layers/quant_tiles.py`` (the default tables use the fp8 MMA up to 32 rows and the fp16 MMA above; the GEMV
 serves tables that ask for it, e.g. an ``override`` in a benchmark):
 
 - GEMV (``use_dot=False``, M of 1 to 4): fp32 FMAs on the CUDA cores into one ``[BLOCK_N, BLOCK_K]``

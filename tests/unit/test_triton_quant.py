@@ -35,7 +35,7 @@ from specserve.layers.quant_gpu import (
     quantize_int4,
     w8a16_linear_reference,
 )
-from specserve.layers.quant_tiles import W8A16_TILES, TileConfig, TileTable, override
+from specserve.layers.quant_tiles import W8A16_MAX_ROWS, W8A16_TILES, TileConfig, TileTable, override
 from tests.rounding import assert_rounded_from
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -295,5 +295,7 @@ def test_tile_table_buckets_shapes_and_override() -> None:
     assert table.lookup(1, 4096, 4096) is a and table.lookup(1, 6144, 4096) is c
     decode = W8A16_TILES.lookup(1, 4096, 4096)  # decode rows: the fp8 MMA on the fused ops' e4m3 activations
     assert decode.use_dot and decode.fp8_dot
+    # ... and every row count up to W8A16_MAX_ROWS (batch-32 decode, an 8-token verify at batch 4) takes it too
+    assert all(W8A16_TILES.lookup(m, 4096, 4096).fp8_dot for m in range(1, W8A16_MAX_ROWS + 1))
     assert "use_dot=False" in a.describe() and eval(a.describe()) == a  # describe() pastes back as code
     assert eval(decode.describe()) == decode

@@ -1,0 +1,152 @@
+"""FP8 decode and verify steps at 8 to 64 rows on the Llama-3.1-8B shape (dummy weights): the W8A16 tile table as
+committed against variants of its row buckets, with bf16 alongside (GPU machine, not CI).
+
+Up to 32 rows ``quant_tiles.W8A16_TILES`` multiplies the e4m3 activations on the fp8 MMA (before stop 37 only up to
+8 rows; rows 9 to 32 converted both tiles to fp16 first), and above ``W8A16_MAX_ROWS`` (32) ``Fp8Linear`` runs the
+fused quantizer + ``torch._scaled_mm``. Variants (method names, ``VARIANTS``):
+
+- ``fp8``: the tables as committed;
+- ``fp8_prev``: the table before stop 37 (rows 9 to 32 on the fp16-converting MMA; the committed results files
+  ``fp8_rows_ab_h100_run*.json`` were taken then, so their ``fp8`` is this and their ``fp8_dot32`` today's table);
+- ``fp8_dot64``: also rows 33 to 64 through the W8A16 kernel on the fp8 MMA (``W8A16_MAX_ROWS`` 64);
+- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested.
+
+Per method and batch: the engine's median decode step and its graph replay (``gpu_engine.time_decode_steps``), and
+the target forward + LM head over 8 query tokens per request at the ``--verify-batches`` (``gpu_engine.time_forwards``,
+graph replay as the engine's verify steps run). ``logits_vs_fp8`` / ``logits_vs_bf16``: each method's logits of one
+8-token verify forward against the committed FP8 table's / bf16's, relative L2 and argmax agreement (different MMA
+sums: close, not equal; the distance to bf16 says whether a variant loses accuracy).
+
+    python benchmarks/fp8_rows_ab_gpu.py --out $OUT/fp8_rows_ab_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+from specserve.layers import quant_tiles  # noqa: E402
+from specserve.layers.quant_tiles import TileConfig  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
+
+_DOT = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True)  # rows <= 32
+_MMA_PREV = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0)  # rows 9-32 before stop 37
+_DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=0, fp8_dot=True)
+_MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
+# method -> (W8A16_TILES.by_rows entries replaced, W8A16_MAX_ROWS); "bf16" and "fp8" keep the committed tables
+VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
+    "fp8_prev": ({8: _DOT, 32: _MMA_PREV}, None),
+    "fp8_dot64": ({64: _DOT}, 64),
+    # the quant_gemm_gpu.py suggestions at 16 and 32 rows (H100, benchmarks/results/quant_gemm_rows16_64_h100.json)
+    "fp8_k256": ({8: _DOT, 16: _DOT_K256, 32: _DOT_K256}, None),
+    "fp8_k256_n32": ({8: _DOT, 16: _DOT_K256, 32: _MMA_N32}, None),
+}
+METHODS = ("bf16", "fp8", *VARIANTS)
+
+
+def tables(method: str) -> tuple[dict, int]:
+    """(W8A16_TILES.by_rows, W8A16_MAX_ROWS) of ``method``."""
+    rows = dict(quant_tiles.W8A16_TILES.by_rows)
+    changes, max_rows = VARIANTS.get(method, ({}, None))
+    rows.update(changes)
+    return rows, max_rows or quant_tiles.W8A16_MAX_ROWS
+
+
+def run_method(method: str, config, args, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(timings, {verify batch: logits [batch * 8, vocab] on the CPU}) of ``method``."""
+    by_rows, max_rows = tables(method)
+    saved_max = quant_tiles.W8A16_MAX_ROWS
+    quant_tiles.W8A16_MAX_ROWS = max_rows
+    t0 = time.perf_counter()
+    try:
+        # the tables hold until this method's engine is gone: its CUDA graphs capture the launches
+        with quant_tiles.override(quant_tiles.W8A16_TILES, by_rows):
+            model = ge.dummy_model(config, args.max_model_len, dtype, device)
+            if method != "bf16":
+                ge.quantize_model(model, "fp8")
+                ge.free(device)
+            engine = ge.engine_for(model, config, device, max(args.batches), args.kv_gib,
+                                   args.max_model_len, 8192, proposers={})
+            result: dict = {"decode": {}, "verify8": {}}
+            for b in args.batches:
+                r = ge.time_decode_steps(engine, device, b, args.prompt_len, args.steps)
+                result["decode"][str(b)] = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
+            del engine
+            ge.free(device)
+            # verify forwards as gpu_engine's verify section runs them: a runner with graphs for these batches
+            runner = ge.ModelRunner(model, config, ge.CacheConfig(block_size=ge.BLOCK_SIZE,
+                                                                  kv_cache_memory_gib=args.kv_gib), device)
+            runner.setup_cuda_graphs(ge.CudaGraphConfig(batch_sizes=tuple(args.verify_batches),
+                                                        capture_at_startup=False),
+                                     args.max_model_len, max(args.verify_batches))
+            logits = {}
+            for b in args.verify_batches:
+                got = ge.time_forwards(runner, device, b, args.prompt_len, (1, 8), args.iters, args.rounds)
+                result["verify8"][str(b)] = {"forward_s": {str(q): t for q, t in got.items()},
+                                             "vs_decode": got[8] / got[1]}
+                torch.manual_seed(b)  # forward_inputs draws its ids from torch's default generator
+                logits[b] = ge.forward_call(runner, b, args.prompt_len, 8)().float().cpu()
+            del runner, model
+    finally:
+        quant_tiles.W8A16_MAX_ROWS = saved_max
+        ge.free(device)
+    result["seconds"] = time.perf_counter() - t0
+    print(method, json.dumps(result), flush=True)
+    return result, logits
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="8,16,32,64")
+    ap.add_argument("--verify-batches", default="2,4")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "fp8_rows_ab_gpu.json"))
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.verify_batches = [int(b) for b in args.verify_batches.split(",")]
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    config = shape_config("llama-3.1-8b")
+    out: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
+                 "torch": torch.__version__, "by_method": {}, "logits_vs_bf16": {}, "logits_vs_fp8": {}}
+    bases: dict = {}
+    for method in args.methods.split(","):
+        out["by_method"][method], logits = run_method(method, config, args, device, dtype)
+        for name, base in bases.items():
+            out[f"logits_vs_{name}"][method] = {
+                str(b): {"rel_l2": ((lg - base[b]).norm() / base[b].norm()).item(),
+                         "argmax_agree": (lg.argmax(-1) == base[b].argmax(-1)).float().mean().item()}
+                for b, lg in logits.items()}
+        if method in ("bf16", "fp8"):
+            bases[method] = logits
+        write(out, args.out)  # after every method: a run cut short keeps what it measured
+    print(json.dumps({k: out[k] for k in ("decode_speedup_vs_bf16", "logits_vs_bf16", "logits_vs_fp8") if k in out}))
+    return 0
+
+
+def write(out: dict, path: str) -> None:
+    bf16 = out["by_method"].get("bf16")
+    if bf16:
+        out["decode_speedup_vs_bf16"] = {
+            m: {b: bf16["decode"][b]["median_step_s"] / r["decode"][b]["median_step_s"] for b in r["decode"]}
+            for m, r in out["by_method"].items() if m != "bf16"}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,15 +1,19 @@
-"""FP8 decode and verify steps at 8 to 64 rows on the Llama-3.1-8B shape (dummy weights): the W8A16 tile table as
-committed against variants of its row buckets, with bf16 alongside (GPU machine, not CI).
+"""Quantized decode and verify steps at 8 to 64 rows on the Llama-3.1-8B shape (dummy weights): the tile tables of
+the W8A16 (FP8) and W4A16 (INT4) kernels as committed against variants of their row buckets, with bf16 alongside
+(GPU machine, not CI).
 
-Up to 32 rows ``quant_tiles.W8A16_TILES`` multiplies the e4m3 activations on the fp8 MMA (before stop 37 only up to
-8 rows; rows 9 to 32 converted both tiles to fp16 first), and above ``W8A16_MAX_ROWS`` (32) ``Fp8Linear`` runs the
-fused quantizer + ``torch._scaled_mm``. Variants (method names, ``VARIANTS``):
+FP8: up to 32 rows ``quant_tiles.W8A16_TILES`` multiplies the e4m3 activations on the fp8 MMA (before stop 37 only
+up to 8 rows; rows 9 to 32 converted both tiles to fp16 first), and above ``W8A16_MAX_ROWS`` (32) ``Fp8Linear``
+runs the fused quantizer + ``torch._scaled_mm``. INT4: ``W4A16_TILES`` (the GEMV up to 4 rows, the tensor cores
+above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, else FP8):
 
-- ``fp8``: the tables as committed;
-- ``fp8_prev``: the table before stop 37 (rows 9 to 32 on the fp16-converting MMA; the committed results files
-  ``fp8_rows_ab_h100_run*.json`` were taken then, so their ``fp8`` is this and their ``fp8_dot32`` today's table);
+- ``fp8`` / ``int4``: the tables as committed;
+- ``fp8_prev``: the FP8 table before stop 37 (rows 9 to 32 on the fp16-converting MMA; the committed results
+  files ``fp8_rows_ab_h100_run*.json`` were taken then, so their ``fp8`` is this and their ``fp8_dot32`` today's);
 - ``fp8_dot64``: also rows 33 to 64 through the W8A16 kernel on the fp8 MMA (``W8A16_MAX_ROWS`` 64);
-- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested.
+- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested;
+- ``int4_nib64`` / ``int4_nib128``: rows 5 to 32 on W4A16's one-MMA-per-nibble form (``nibble_dots``), 64 or 128
+  output channels a program.
 
 Per method and batch: the engine's median decode step and its graph replay (``gpu_engine.time_decode_steps``), and
 the target forward + LM head over 8 query tokens per request at the ``--verify-batches`` (``gpu_engine.time_forwards``,
@@ -17,7 +21,8 @@ graph replay as the engine's verify steps run). ``logits_vs_fp8`` / ``logits_vs_
 8-token verify forward against the committed FP8 table's / bf16's, relative L2 and argmax agreement (different MMA
 sums: close, not equal; the distance to bf16 says whether a variant loses accuracy).
 
-    python benchmarks/fp8_rows_ab_gpu.py --out $OUT/fp8_rows_ab_gpu.json
+    python benchmarks/quant_rows_ab_gpu.py --out $OUT/quant_rows_ab_gpu.json
+    python benchmarks/quant_rows_ab_gpu.py --methods bf16,int4,int4_nib64,int4_nib128 --batches 1,8,16,32
 """
 
 from __future__ import annotations
@@ -42,20 +47,30 @@ _DOT = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0,
 _MMA_PREV = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0)  # rows 9-32 before stop 37
 _DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=0, fp8_dot=True)
 _MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
-# method -> (W8A16_TILES.by_rows entries replaced, W8A16_MAX_ROWS); "bf16" and "fp8" keep the committed tables
+_NIB64 = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, nibble_dots=True)
+_NIB128 = TileConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=0, nibble_dots=True)
+# method -> (the kernel's table's by_rows entries replaced, W8A16_MAX_ROWS or None); "bf16", "fp8" and "int4" keep
+# the committed tables
 VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
     "fp8_prev": ({8: _DOT, 32: _MMA_PREV}, None),
     "fp8_dot64": ({64: _DOT}, 64),
     # the quant_gemm_gpu.py suggestions at 16 and 32 rows (H100, benchmarks/results/quant_gemm_rows16_64_h100.json)
     "fp8_k256": ({8: _DOT, 16: _DOT_K256, 32: _DOT_K256}, None),
     "fp8_k256_n32": ({8: _DOT, 16: _DOT_K256, 32: _MMA_N32}, None),
+    "int4_nib64": ({16: _NIB64, 32: _NIB64}, None),
+    "int4_nib128": ({16: _NIB128, 32: _NIB128}, None),
 }
-METHODS = ("bf16", "fp8", *VARIANTS)
+METHODS = ("bf16", "fp8", "int4", *VARIANTS)
+
+
+def quantization(method: str) -> str | None:
+    return None if method == "bf16" else "int4" if method.startswith("int4") else "fp8"
 
 
 def tables(method: str) -> tuple[dict, int]:
-    """(W8A16_TILES.by_rows, W8A16_MAX_ROWS) of ``method``."""
-    rows = dict(quant_tiles.W8A16_TILES.by_rows)
+    """(by_rows of the method's kernel table, W8A16_MAX_ROWS) of ``method``."""
+    table = quant_tiles.W4A16_TILES if quantization(method) == "int4" else quant_tiles.W8A16_TILES
+    rows = dict(table.by_rows)
     changes, max_rows = VARIANTS.get(method, ({}, None))
     rows.update(changes)
     return rows, max_rows or quant_tiles.W8A16_MAX_ROWS
@@ -69,10 +84,12 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     t0 = time.perf_counter()
     try:
         # the tables hold until this method's engine is gone: its CUDA graphs capture the launches
-        with quant_tiles.override(quant_tiles.W8A16_TILES, by_rows):
+        quant = quantization(method)
+        table = quant_tiles.W4A16_TILES if quant == "int4" else quant_tiles.W8A16_TILES
+        with quant_tiles.override(table, by_rows):
             model = ge.dummy_model(config, args.max_model_len, dtype, device)
-            if method != "bf16":
-                ge.quantize_model(model, "fp8")
+            if quant is not None:
+                ge.quantize_model(model, quant)
                 ge.free(device)
             engine = ge.engine_for(model, config, device, max(args.batches), args.kv_gib,
                                    args.max_model_len, 8192, proposers={})
@@ -115,14 +132,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-gib", type=float, default=8.0)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "fp8_rows_ab_gpu.json"))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                  "quant_rows_ab_gpu.json"))
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.verify_batches = [int(b) for b in args.verify_batches.split(",")]
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config("llama-3.1-8b")
     out: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
-                 "torch": torch.__version__, "by_method": {}, "logits_vs_bf16": {}, "logits_vs_fp8": {}}
+                 "torch": torch.__version__, "by_method": {}, "logits_vs_bf16": {}, "logits_vs_fp8": {},
+                 "logits_vs_int4": {}}
     bases: dict = {}
     for method in args.methods.split(","):
         out["by_method"][method], logits = run_method(method, config, args, device, dtype)
@@ -131,10 +150,10 @@ def main() -> int:
                 str(b): {"rel_l2": ((lg - base[b]).norm() / base[b].norm()).item(),
                          "argmax_agree": (lg.argmax(-1) == base[b].argmax(-1)).float().mean().item()}
                 for b, lg in logits.items()}
-        if method in ("bf16", "fp8"):
+        if method in ("bf16", "fp8", "int4"):
             bases[method] = logits
         write(out, args.out)  # after every method: a run cut short keeps what it measured
-    print(json.dumps({k: out[k] for k in ("decode_speedup_vs_bf16", "logits_vs_bf16", "logits_vs_fp8") if k in out}))
+    print(json.dumps({k: v for k, v in out.items() if k.startswith(("decode_speedup", "logits_vs")) and v}))
     return 0
 
 

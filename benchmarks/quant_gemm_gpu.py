@@ -153,16 +153,11 @@ def w4a16_sweep(m: int) -> list[TileConfig]:
            TileConfig(128, 64, 4, 3, block_m=bm), TileConfig(32, 128, 4, 4, block_m=bm),
            TileConfig(64, 128, 4, 4, split_k=0, block_m=bm), TileConfig(64, 64, 4, 4, split_k=0, block_m=bm),
            TileConfig(128, 64, 8, 3, split_k=0, block_m=bm)]
-    # one MMA per nibble position (nibble_dots: no interleave of the unpacked tile; BLOCK_K 128 = a group)
-    nib = [TileConfig(64, 128, 4, 4, split_k=0, block_m=bm, nibble_dots=True),
-           TileConfig(128, 128, 4, 3, split_k=0, block_m=bm, nibble_dots=True),
-           TileConfig(128, 128, 8, 3, split_k=0, block_m=bm, nibble_dots=True),
-           TileConfig(32, 128, 4, 4, split_k=0, block_m=bm, nibble_dots=True)]
     if m <= 2:
-        return gemv + dot[:2] + nib[:2]
+        return gemv + dot[:2]
     if m <= 4:
-        return gemv[:4] + dot + nib[:2]
-    return gemv[:1] + gemv[5:6] + dot + nib
+        return gemv[:4] + dot
+    return gemv[:1] + gemv[5:6] + dot
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------

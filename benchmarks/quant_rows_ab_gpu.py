@@ -11,9 +11,10 @@ above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, 
 - ``fp8_prev``: the FP8 table before stop 37 (rows 9 to 32 on the fp16-converting MMA; the committed results
   files ``fp8_rows_ab_h100_run*.json`` were taken then, so their ``fp8`` is this and their ``fp8_dot32`` today's);
 - ``fp8_dot64``: also rows 33 to 64 through the W8A16 kernel on the fp8 MMA (``W8A16_MAX_ROWS`` 64);
-- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested;
-- ``int4_nib64`` / ``int4_nib128``: rows 5 to 32 on W4A16's one-MMA-per-nibble form (``nibble_dots``), 64 or 128
-  output channels a program.
+- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested.
+
+(Stop 37 also timed ``int4_nib64`` / ``int4_nib128``, a W4A16 form with one MMA per nibble position, in
+``quant_rows_ab_int4_h100.json``: x0.26-0.99 of the committed INT4 step at batch 8-32, so it was removed.)
 
 Per method and batch: the engine's median decode step and its graph replay (``gpu_engine.time_decode_steps``), and
 the target forward + LM head over 8 query tokens per request at the ``--verify-batches`` (``gpu_engine.time_forwards``,
@@ -22,7 +23,7 @@ graph replay as the engine's verify steps run). ``logits_vs_fp8`` / ``logits_vs_
 sums: close, not equal; the distance to bf16 says whether a variant loses accuracy).
 
     python benchmarks/quant_rows_ab_gpu.py --out $OUT/quant_rows_ab_gpu.json
-    python benchmarks/quant_rows_ab_gpu.py --methods bf16,int4,int4_nib64,int4_nib128 --batches 1,8,16,32
+    python benchmarks/quant_rows_ab_gpu.py --methods bf16,int4 --batches 1,8,16,32
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ _DOT = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0,
 _MMA_PREV = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0)  # rows 9-32 before stop 37
 _DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=0, fp8_dot=True)
 _MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
-_NIB64 = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, nibble_dots=True)
-_NIB128 = TileConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=0, nibble_dots=True)
 # method -> (the kernel's table's by_rows entries replaced, W8A16_MAX_ROWS or None); "bf16", "fp8" and "int4" keep
 # the committed tables
 VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
@@ -57,8 +56,6 @@ VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
     # the quant_gemm_gpu.py suggestions at 16 and 32 rows (H100, benchmarks/results/quant_gemm_rows16_64_h100.json)
     "fp8_k256": ({8: _DOT, 16: _DOT_K256, 32: _DOT_K256}, None),
     "fp8_k256_n32": ({8: _DOT, 16: _DOT_K256, 32: _MMA_N32}, None),
-    "int4_nib64": ({16: _NIB64, 32: _NIB64}, None),
-    "int4_nib128": ({16: _NIB128, 32: _NIB128}, None),
 }
 METHODS = ("bf16", "fp8", "int4", *VARIANTS)
 

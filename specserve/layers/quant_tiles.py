@@ -42,9 +42,6 @@ class TileConfig:
     - ``fp8_dot`` (W8A16 on e4m3 activations only): the tensor cores multiply the e4m3 weight and activation
       tiles as they are (an fp8 MMA), instead of converting both to fp16 in registers first; the weight tiles
       then stream through shared memory in ``num_stages`` stages without touching the registers.
-    - ``nibble_dots`` (W4A16's tensor-core path only): eight MMAs per K tile, one per nibble position of the
-      packed words (the weights of rows ``k0 + 8 i + j`` for one ``j``, against the activations of the same
-      columns), instead of interleaving the eight nibbles into one ``[BLOCK_K, BLOCK_N]`` tile first.
     """
 
     block_n: int
@@ -55,7 +52,6 @@ class TileConfig:
     block_m: int = 0
     use_dot: bool = True
     fp8_dot: bool = False
-    nibble_dots: bool = False
     group_m: int = 8
     tma: bool = False
 
@@ -63,7 +59,6 @@ class TileConfig:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
                 f"use_dot={self.use_dot}" + (", fp8_dot=True" if self.fp8_dot else "")
-                + (", nibble_dots=True" if self.nibble_dots else "")
                 + (f", group_m={self.group_m}" if self.group_m != 8 else "") + (", tma=True" if self.tma else "")
                 + ")")
 
@@ -123,7 +118,7 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # activations as in the engine) the four Llama-8B projections of a layer took 65.9 us at M = 1 (the CUDA-core GEMV
 # before it: 71.7; gate_up 30.7 vs 35.9 us, 90% of copy bandwidth) and 67.6 us at M = 8 (the fp16-converting
 # MMA before it: 83.6). Rows 9 to 32 take the same tile: whole FP8 engine steps on an H100, two runs
-# (benchmarks/quant_rows_ab_gpu.py, fp8_rows_ab_h100_run1/2.json), against the fp16-converting MMA they had: decode at
+# (benchmarks/fp8_rows_ab_gpu.py, fp8_rows_ab_h100_run1/2.json), against the fp16-converting MMA they had: decode at
 # batch 16 4.92 -> 4.44 ms (x1.33 -> x1.47 over bf16), batch 32 5.61 -> 5.04 (x1.23 -> x1.37), an 8-token verify at
 # batch 4 (32 rows) 5.15 -> 4.61 ms; batch 8 unchanged (x1.52 / x1.55). The other tiles that quant_gemm_gpu.py
 # suggested at 16 and 32 rows (quant_gemm_rows16_64_h100.json: block_k 256; a 32-wide fp16 MMA tile) were slower

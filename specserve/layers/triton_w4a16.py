@@ -19,11 +19,7 @@ Two ways to multiply, chosen per row bucket in ``layers/quant_tiles.py``:
   activation dtype first, as ``int4_linear_reference`` does; the GEMV's result is at least as accurate).
 - tensor cores (``use_dot=True``): the 8 nibbles of the word tile unpacked into a ``[BLOCK_K // 8, 8, BLOCK_N]``
   tensor, reshaped to ``[BLOCK_K, BLOCK_N]`` (row ``8 * i + j``), rounded to the activation dtype and fed to
-  ``tl.dot`` with an fp32 accumulator; Triton pipelines the word loads (``num_stages``). With ``nibble_dots``
-  (``TileConfig``) the interleave is skipped: the K tile is eight MMAs, MMA ``j`` taking nibble ``j`` of every
-  word (weight rows ``k0 + 8 i + j``, ``[BLOCK_K // 8, BLOCK_N]``) and the activation columns ``k0 + 8 i + j``
-  (``[BLOCK_M, BLOCK_K // 8]``, a stride-8 gather from a tile that stays in L1). The same dequantized weights,
-  the same products; only the order of the fp32 sums differs. Needs ``BLOCK_K // 8 >= 16`` (an MMA's K).
+  ``tl.dot`` with an fp32 accumulator; Triton pipelines the word loads (``num_stages``).
 
 With few output tiles (decode sizes), K is split across programs and the partial sums are reduced inside the
 same launch (``layers/triton_splitk.py``): no second kernel, deterministic. Bias and the cast to the output
@@ -73,7 +69,6 @@ def _w4a16_kernel(
     magic,  # 0x4B000000 (the bits of 2^23), passed at run time: in a register, ptxas fuses mask | magic
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    NIBBLE_DOTS: tl.constexpr,  # USE_DOT: one MMA per nibble position instead of the interleaved tile
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
     pdl_begin(USE_PDL)
@@ -88,24 +83,7 @@ def _w4a16_kernel(
     k_lo = pid_k * k_per_split  # K is a multiple of BLOCK_K, k_per_split too: whole tiles only
     k_hi = tl.minimum(k_lo + k_per_split, K)
     q_cols = qweight_ptr + offs_n[None, :] * stride_qn  # [1, BLOCK_N]
-    if USE_DOT and NIBBLE_DOTS:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            words = tl.load(q_cols + (k0 // 8 + offs_w)[:, None] * stride_qk, mask=n_mask[None, :], other=0)
-            g = k0 // GROUP_SIZE
-            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-            zt = (z + _TWO_23)[None, :]
-            for j in tl.static_range(8):
-                # word i, nibble j is weight row k0 + 8 i + j: with BLOCK_K 128, MMA j = 2 covers rows
-                # k0 + 2, k0 + 10, ..., k0 + 122 against activation columns k0 + 2, k0 + 10, ..., k0 + 122
-                q = ((words >> (4 * j)) & 0xF) | magic  # [BLOCK_K // 8, BLOCK_N]
-                a = tl.load(x_rows + (k0 + 8 * offs_w + j)[None, :] * stride_xk, mask=m_mask[:, None],
-                            other=0.0)  # [BLOCK_M, BLOCK_K // 8]
-                w = ((q.to(tl.float32, bitcast=True) - zt) * s[None, :]).to(a.dtype)
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    elif USE_DOT:
+    if USE_DOT:
         shifts = tl.arange(0, 8) * 4  # bit offset of nibble j
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -215,10 +193,6 @@ def w4a16_linear(
         cfg = dataclasses.replace(cfg, split_k=split_k)
     block_m, block_n = _block_m(cfg, m), cfg.block_n
     block_k = min(cfg.block_k, group_size)
-    nibble_dots = cfg.use_dot and cfg.nibble_dots
-    if nibble_dots and block_k < 128:
-        raise ValueError(f"w4a16_linear: nibble_dots needs BLOCK_K >= 128 (an MMA's K of 16 per nibble), "
-                         f"got {block_k} (block_k {cfg.block_k}, group_size {group_size})")
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
@@ -229,7 +203,7 @@ def w4a16_linear(
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         out.stride(0), out.stride(1), _MAGIC_BITS,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision, NIBBLE_DOTS=nibble_dots, num_warps=cfg.num_warps,
+        SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out

@@ -283,27 +283,6 @@ def test_w4a16_dot_bias_epilogue_and_split(kernels) -> None:
     assert not counters.any()
 
 
-@pytest.mark.parametrize("m, dtype, split_k", [(3, torch.float32, 1), (17, torch.float32, 2), (32, torch.bfloat16, 0)])
-def test_w4a16_nibble_dots_equal_the_interleaved_tile(kernels, m: int, dtype: torch.dtype, split_k: int) -> None:
-    """One MMA per nibble position (``nibble_dots``) multiplies the same dequantized weights by the same activations
-    as the interleaved tile, summed in another order: both match ``int4_linear_reference`` and each other, over
-    two K tiles of 128 (groups of 128), a ragged N tile, M = 17 on two row tiles of 16, bias, split K."""
-    x, qweight, scales, zeros, b = _int4_case(m, 40, 256, 128, dtype, bias=True, seed=m + 7)
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    tile = TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k, block_m=16 if m == 17 else 0)
-    nib = kernels[1].w4a16_linear(x, qweight, scales, zeros, b, config=dataclasses.replace(tile, nibble_dots=True),
-                                  counters=counters)
-    inter = kernels[1].w4a16_linear(x, qweight, scales, zeros, b, config=tile, counters=counters)
-    ref = int4_linear_reference(x, qweight, scales, zeros, b)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
-    torch.testing.assert_close(nib.float(), ref.float(), **tol)
-    torch.testing.assert_close(nib.float(), inter.float(), **tol)
-    assert not counters.any()
-    with pytest.raises(ValueError, match="nibble_dots needs BLOCK_K >= 128"):
-        kernels[1].w4a16_linear(x, qweight, scales, zeros, b,
-                                config=dataclasses.replace(tile, block_k=64, nibble_dots=True))
-
-
 # ---- tile tables ----------------------------------------------------------------------------------------------
 def test_tile_table_buckets_shapes_and_override() -> None:
     a, b, c = TileConfig(16, 512, use_dot=False), TileConfig(64, 128), TileConfig(128, 64)

@@ -11,7 +11,13 @@ above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, 
 - ``fp8_prev``: the FP8 table before stop 37 (rows 9 to 32 on the fp16-converting MMA; the committed results
   files ``fp8_rows_ab_h100_run*.json`` were taken then, so their ``fp8`` is this and their ``fp8_dot32`` today's);
 - ``fp8_dot64``: also rows 33 to 64 through the W8A16 kernel on the fp8 MMA (``W8A16_MAX_ROWS`` 64);
-- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested.
+- ``fp8_k256`` / ``fp8_k256_n32``: the tiles ``quant_gemm_gpu.py --rows 16,32,64`` suggested;
+- ``fp8_pf0`` / ``fp8_pf1`` / ``fp8_pf2``: the committed FP8 tiles with ``prefetch`` 0 / 1 / 2 at every row count
+  up to 32 (each program loads its first weight tiles before the programmatic-dependent-launch wait, overlapping
+  the kernel before; the table has 1 up to 8 rows and 0 above, from ``fp8_prefetch_ab_h100_run*.json``, where
+  ``fp8`` was today's ``fp8_pf0`` and ``fp8_pf1`` had 1 at every row count as here);
+- ``..._early`` (``fp8_early``, ``fp8_pf2_early``): the same with ``triton_pdl.EARLY_LAUNCH`` (each kernel lets
+  the next one launch before it waits, so the next one's programs are resident, and prefetching, sooner).
 
 (Stop 37 also timed ``int4_nib64`` / ``int4_nib128``, a W4A16 form with one MMA per nibble position, in
 ``quant_rows_ab_int4_h100.json``: x0.26-0.99 of the committed INT4 step at batch 8-32, so it was removed.)
@@ -29,6 +35,7 @@ sums: close, not equal; the distance to bf16 says whether a variant loses accura
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from specserve.layers import quant_tiles  # noqa: E402
+from specserve.layers import quant_tiles, triton_pdl  # noqa: E402
 from specserve.layers.quant_tiles import TileConfig  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
@@ -48,6 +55,8 @@ _DOT = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0,
 _MMA_PREV = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0)  # rows 9-32 before stop 37
 _DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=0, fp8_dot=True)
 _MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
+_DOT_PF1 = dataclasses.replace(_DOT, prefetch=1)
+_DOT_PF2 = dataclasses.replace(_DOT, prefetch=2)
 # method -> (the kernel's table's by_rows entries replaced, W8A16_MAX_ROWS or None); "bf16", "fp8" and "int4" keep
 # the committed tables
 VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
@@ -56,8 +65,12 @@ VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
     # the quant_gemm_gpu.py suggestions at 16 and 32 rows (H100, benchmarks/results/quant_gemm_rows16_64_h100.json)
     "fp8_k256": ({8: _DOT, 16: _DOT_K256, 32: _DOT_K256}, None),
     "fp8_k256_n32": ({8: _DOT, 16: _DOT_K256, 32: _MMA_N32}, None),
+    "fp8_pf0": ({8: _DOT, 32: _DOT}, None),
+    "fp8_pf1": ({8: _DOT_PF1, 32: _DOT_PF1}, None),
+    "fp8_pf2": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
+    "fp8_pf2_early": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
 }
-METHODS = ("bf16", "fp8", "int4", *VARIANTS)
+METHODS = ("bf16", "fp8", "int4", *VARIANTS, "fp8_early")
 
 
 def quantization(method: str) -> str | None:
@@ -78,6 +91,7 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     by_rows, max_rows = tables(method)
     saved_max = quant_tiles.W8A16_MAX_ROWS
     quant_tiles.W8A16_MAX_ROWS = max_rows
+    triton_pdl.EARLY_LAUNCH = method.endswith("_early")  # read at every launch; the graphs capture it
     t0 = time.perf_counter()
     try:
         # the tables hold until this method's engine is gone: its CUDA graphs capture the launches
@@ -112,6 +126,7 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
             del runner, model
     finally:
         quant_tiles.W8A16_MAX_ROWS = saved_max
+        triton_pdl.EARLY_LAUNCH = False
         ge.free(device)
     result["seconds"] = time.perf_counter() - t0
     print(method, json.dumps(result), flush=True)

@@ -42,6 +42,9 @@ class TileConfig:
     - ``fp8_dot`` (W8A16 on e4m3 activations only): the tensor cores multiply the e4m3 weight and activation
       tiles as they are (an fp8 MMA), instead of converting both to fp16 in registers first; the weight tiles
       then stream through shared memory in ``num_stages`` stages without touching the registers.
+    - ``prefetch`` (W8A16 on the tensor cores only): the first 0, 1 or 2 weight tiles of each program's K range
+      are loaded into registers before the programmatic-dependent-launch wait (``layers/triton_pdl.py``), so
+      their HBM reads may overlap the kernel before; they are multiplied after the loop over the rest.
     """
 
     block_n: int
@@ -52,6 +55,7 @@ class TileConfig:
     block_m: int = 0
     use_dot: bool = True
     fp8_dot: bool = False
+    prefetch: int = 0
     group_m: int = 8
     tma: bool = False
 
@@ -59,6 +63,7 @@ class TileConfig:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "
                 f"use_dot={self.use_dot}" + (", fp8_dot=True" if self.fp8_dot else "")
+                + (f", prefetch={self.prefetch}" if self.prefetch else "")
                 + (f", group_m={self.group_m}" if self.group_m != 8 else "") + (", tma=True" if self.tma else "")
                 + ")")
 
@@ -126,8 +131,17 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # (fp8_dot64 in run 1), so W8A16_MAX_ROWS stays 32. The logits of every variant are as far from bf16's as the
 # previous table's (relative L2 0.45 on the dummy 8B model, which amplifies any e4m3 rounding difference).
 # Numerics: see triton_w8a16's docstring (the fp8 MMA's partial sums of 32 products).
+# Up to 8 rows each program also loads its first weight tile before the programmatic-dependent-launch wait
+# (``prefetch`` 1). Whole FP8 engine steps on an H100, two runs in opposite method order (benchmarks/
+# quant_rows_ab_gpu.py, fp8_prefetch_ab_h100_run1/2.json), against the same tile without: decode batch 1 3.755 /
+# 3.754 -> 3.711 / 3.708 ms (x1.51 -> x1.53 over bf16), batch 8 4.283 / 4.218 -> 4.127 / 4.140, the 1-token
+# forward at batch 4 3.989 / 3.981 -> 3.936 / 3.934; batch 32 (and the 32-row verify) 2% slower, so rows 9 to 32
+# keep prefetch 0. Two tiles (prefetch 2) were slower at every batch, and so was EARLY_LAUNCH with or without it.
+# Same products, another fp32 sum order (the prefetched tile is added after the loop); the 32-row verify logits of
+# the prefetching table equalled the committed one's bit for bit in both runs (logits_vs_fp8 0.0).
 W8A16_TILES = TileTable(
     by_rows={
+        8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True, prefetch=1),
         32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True),
         64: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },

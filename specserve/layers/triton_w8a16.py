@@ -125,6 +125,29 @@ def _gemv_scale(x_row, x_scale_ptr, row, M, K, stride_xk, BLOCK: tl.constexpr, X
 
 
 @triton.jit
+def _dot_tile(
+    w,  # [BLOCK_N, BLOCK_K] float8_e4m3fn weight tile
+    xt,  # [BLOCK_K, BLOCK_M] activation tile, transposed: 16-bit / fp32 (X_MODE 0, 1) or e4m3 (2)
+    acc_t,  # [BLOCK_N, BLOCK_M] fp32 running sums
+    x_scale,  # [BLOCK_M] per-token scales (X_MODE 1; unread otherwise)
+    X_MODE: tl.constexpr, FP8_DOT: tl.constexpr, W_VIA_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``acc_t + w @ xt`` on the tensor cores, one K tile of the W8A16 kernel's swapped product."""
+    if X_MODE == 0:
+        if W_VIA_F32:  # bf16: e4m3x2 -> f16x2 -> f32 -> bf16x2 (packed), cheaper than e4m3 -> f16 -> bf16
+            w = w.to(tl.float32)
+        acc_t = tl.dot(w.to(xt.dtype), xt, acc_t, input_precision=PRECISION)  # exact conversions
+    elif FP8_DOT:  # e4m3 x e4m3 on the tensor cores (X_MODE 2): exact products, fp32 sums promoted
+        acc_t = tl.dot(w, xt, acc_t, max_num_imprecise_acc=FP8_PRECISE_EVERY)  # every 32 of K
+    else:
+        if X_MODE == 1:
+            xt = _fp8_quantize(xt.to(tl.float32), x_scale[None, :])
+        # e4m3 -> fp16 is exact (one cvt per pair) and so is every fp16 x fp16 product in fp32
+        acc_t = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc_t)
+    return acc_t
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr,  # [M, K] bf16 / fp16 / fp32 activations (X_MODE 0, 1), or float8_e4m3fn quantized ones (X_MODE 2)
     w_ptr,  # [N, K] float8_e4m3fn weights, one row per output channel
@@ -140,8 +163,8 @@ def _w8a16_kernel(
     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
     PRECISION: tl.constexpr, X_MODE: tl.constexpr, FP8_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
+    PREFETCH: tl.constexpr = 0,  # weight tiles loaded before the PDL wait (tensor-core path; 0..2)
 ):
-    pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -153,9 +176,21 @@ def _w8a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1] row starts
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # k_per_split is a multiple of BLOCK_K: no tile straddles splits
+    if USE_DOT and PREFETCH > 0:
+        # The first PREFETCH weight tiles of this program's K range, loaded before the wait below: weights are
+        # never written by a kernel of the step, so their loads may overlap the kernel before this one.
+        k_pre = k_lo + offs_kb  # [BLOCK_K]
+        w_pre0 = tl.load(w_rows + k_pre[None, :] * stride_wk, mask=n_mask[:, None] & (k_pre < k_hi)[None, :],
+                         other=0.0)
+        w_pre1 = w_pre0
+        if PREFETCH > 1:
+            w_pre1 = tl.load(w_rows + (k_pre + BLOCK_K)[None, :] * stride_wk,
+                             mask=n_mask[:, None] & (k_pre + BLOCK_K < k_hi)[None, :], other=0.0)
+    pdl_begin(USE_PDL)
     if USE_DOT:
         # out.T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x.T [K, BLOCK_M]: channels on the MMA's M side
         x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
+        x_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)  # per-token scales: X_MODE 1 and 2 set them
         if X_MODE == 1:  # per-token scales over all of K (x is small and read from L2), before the main loop
             running = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -167,7 +202,14 @@ def _w8a16_kernel(
         elif X_MODE == 2:
             x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=1.0)
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH > 0:  # the prefetched tiles' activations, loaded now and multiplied after the loop
+            x_pre0 = tl.load(x_cols + k_pre[:, None] * stride_xk, mask=m_mask[None, :] & (k_pre < k_hi)[:, None],
+                             other=0.0)  # [BLOCK_K, BLOCK_M]
+            x_pre1 = x_pre0
+            if PREFETCH > 1:
+                x_pre1 = tl.load(x_cols + (k_pre + BLOCK_K)[:, None] * stride_xk,
+                                 mask=m_mask[None, :] & (k_pre + BLOCK_K < k_hi)[:, None], other=0.0)
+        for k0 in range(k_lo + PREFETCH * BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
             k_mask = offs_k < K
             w_ptrs = w_rows + offs_k[None, :] * stride_wk
@@ -177,17 +219,11 @@ def _w8a16_kernel(
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_mask[None, :] & k_mask[:, None],
                          other=0.0)  # [BLOCK_K, BLOCK_M]
-            if X_MODE == 0:
-                if W_VIA_F32:  # bf16: e4m3x2 -> f16x2 -> f32 -> bf16x2 (packed), cheaper than e4m3 -> f16 -> bf16
-                    w = w.to(tl.float32)
-                acc_t = tl.dot(w.to(xt.dtype), xt, acc_t, input_precision=PRECISION)  # exact conversions
-            elif FP8_DOT:  # e4m3 x e4m3 on the tensor cores (X_MODE 2): exact products, fp32 sums promoted
-                acc_t = tl.dot(w, xt, acc_t, max_num_imprecise_acc=FP8_PRECISE_EVERY)  # every 32 of K
-            else:
-                if X_MODE == 1:
-                    xt = _fp8_quantize(xt.to(tl.float32), x_scale[None, :])
-                # e4m3 -> fp16 is exact (one cvt per pair) and so is every fp16 x fp16 product in fp32
-                acc_t = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc_t)
+            acc_t = _dot_tile(w, xt, acc_t, x_scale, X_MODE, FP8_DOT, W_VIA_F32, PRECISION)
+        if PREFETCH > 0:  # zeros past k_hi add nothing
+            acc_t = _dot_tile(w_pre0, x_pre0, acc_t, x_scale, X_MODE, FP8_DOT, W_VIA_F32, PRECISION)
+            if PREFETCH > 1:
+                acc_t = _dot_tile(w_pre1, x_pre1, acc_t, x_scale, X_MODE, FP8_DOT, W_VIA_F32, PRECISION)
         acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
         if X_MODE != 0:
             xs_col = x_scale[:, None]  # [BLOCK_M, 1]
@@ -289,6 +325,8 @@ def w8a16_linear(
     if m == 0:
         return out
     cfg = config or W8A16_TILES.lookup(m, n, k)
+    if cfg.prefetch not in (0, 1, 2):
+        raise ValueError(f"config.prefetch: {cfg.prefetch} is not 0, 1 or 2")
     block_m, block_n = _block_m(cfg, m), cfg.block_n
     fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
     block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K
@@ -311,7 +349,7 @@ def w8a16_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
-        X_MODE=x_mode, FP8_DOT=fp8_dot,
+        X_MODE=x_mode, FP8_DOT=fp8_dot, PREFETCH=cfg.prefetch if cfg.use_dot else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out

@@ -147,6 +147,9 @@ def table_calls(quick: bool):
                     triton_w8a16.w8a16_linear(x, w8, w8_scale, None, config=_replace(cfg, split_k=3))
                     for act_quant in ("none", "per_token_prequant"):
                         triton_w8a16.w8a16_linear(x, w8, w8_scale, bias, act_quant=act_quant)
+                    for prefetch in (1, 2) if cfg.use_dot else ():  # weight tiles loaded before the PDL wait
+                        triton_w8a16.w8a16_linear(x, w8, w8_scale, None, config=_replace(cfg, prefetch=prefetch),
+                                                  act_quant="per_token_prequant")
                 for m in w4_rows:
                     x = torch.zeros(m, k, dtype=dtype)
                     triton_w4a16.w4a16_linear(x, qweight, groups, groups, None)

@@ -80,6 +80,12 @@ DOT = TileConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
 FP8_DOT = TileConfig(block_n=16, block_k=64, num_warps=4, num_stages=3, fp8_dot=True)  # e4m3 x e4m3 MMA (mode 2)
 
 
+# Weight tiles loaded before the PDL wait: two of a program's one-tile K range (the second lies in the next split's
+# range and must read as zeros) and one of a two-tile range, on the fp8 MMA and on the fp16 one.
+PREFETCHED = (dataclasses.replace(FP8_DOT, block_k=32, split_k=3, prefetch=2),
+              dataclasses.replace(DOT, block_k=32, split_k=2, prefetch=1))
+
+
 # On a GPU the fp8 MMA's partial sums of 32 products keep about 14 bits before fp32 (triton_w8a16's docstring):
 # its outputs are checked to 2^-12 of the row's largest output there; the interpreter's fp8 dot is exact.
 FP8_MMA_RTOL = 2.0**-12 if DEVICE.type == "cuda" else 1e-5
@@ -109,7 +115,7 @@ def test_w8a16_per_token_equals_fp64_of_fused_quantizer(kernels, m: int, dtype: 
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(x_scale, ref_scale)
     ref = _fp64_reference(x_q, x_scale, w_q, w_scale, b)
     for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), FP8_DOT,
-                dataclasses.replace(FP8_DOT, block_k=32, split_k=3)):
+                dataclasses.replace(FP8_DOT, block_k=32, split_k=3), PREFETCHED[0], PREFETCHED[1]):
         for act_quant in ("per_token", "per_token_prequant"):
             out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant=act_quant)
             assert out.dtype == dtype
@@ -148,10 +154,12 @@ def test_w8a16_unquantized_mode_matches_its_reference(kernels) -> None:
             _close(w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, act_quant="none"), ref)
     with pytest.raises(ValueError, match="act_quant"):
         w8a16.w8a16_linear(x, w_q, w_scale, act_quant="per_tensor")
+    with pytest.raises(ValueError, match="prefetch"):
+        w8a16.w8a16_linear(x, w_q, w_scale, config=dataclasses.replace(DOT, prefetch=3))
 
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(GEMV, split_k=3), dataclasses.replace(DOT, split_k=2),
-                                 dataclasses.replace(DOT, split_k=0)])
+                                 dataclasses.replace(DOT, split_k=0), dataclasses.replace(DOT, split_k=2, prefetch=2)])
 def test_w8a16_split_k_reduces_in_launch(kernels, cfg: TileConfig) -> None:
     w8a16 = kernels[0]
     x, w_q, w_scale, b = _fp8_case(3, 37, 160, torch.bfloat16, True, seed=7)

@@ -82,7 +82,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into the cache at ``meta.slot_mapping``, then attend."""
+        """Write k/v into the cache at ``meta.slot_mapping``, then attend. A backend whose ``fuses_rope``
+        attribute is True also takes ``rope=(cos, sin)`` (each ``[num_tokens, 1, head_dim]``) and rotates q
+        and k in place first, as ``TorchOps.rope_`` would; the layer then skips its own rope op."""
 
     def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
                        query_len: int, num_splits: int | None = None) -> None:

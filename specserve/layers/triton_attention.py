@@ -5,7 +5,9 @@ uses host integers that ``prepare`` computed once per step), so a fixed-shape st
 graph:
 
 1. ``_write_kv_kernel`` copies the step's K/V rows into their cache slots; slot ``-1`` (a padded token of a
-   padded CUDA-graph batch) is skipped.
+   padded CUDA-graph batch) is skipped. When the layer hands over its rotary tables (``forward(..., rope=...)``,
+   ``fuses_rope``), ``_rope_write_kv_kernel`` runs instead: it also rotates q and k in place, so the layer's
+   separate rope launch goes (one launch fewer per layer and step).
 2. ``_decode_kernel`` attends the short sequences (``query_len <= MAX_PADDED_QUERY_LEN``: decode, and verify
    of up to 15 drafts). One program per (sequence, kv head) holds every query token of the sequence times
    every query head of the kv head's group as the rows of one tile, so each K/V tile read from the cache
@@ -40,11 +42,15 @@ import triton
 import triton.language as tl
 
 from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
+from specserve.layers.ops import TorchOps
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
+from specserve.layers.triton_rope import rope_cos_sin, rope_rotate
 
 LOG2E = 1.4426950408889634
 # Query tokens per prefill program, by GQA group size: tiles of about 64 rows (tokens x group heads).
 PREFILL_TILE_TOKENS = (16, 32, 64)
+# Rotated elements per query-head program of the fused rope + KV write (as triton_ops.ROPE_TILE for the rope op).
+ROPE_TILE = 2048
 # Fewest keys worth a split of their own when num_splits is chosen automatically.
 MIN_KEYS_PER_SPLIT = 256
 # Keys per decode tile for heads of 128 or more and for unsplit decode steps (TritonAttentionBackend.decode_tile_keys)
@@ -104,6 +110,68 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], rotated in place and written to the cache
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cos_ptr,  # [num_tokens, 1, head_dim], row stride stride_cos, last dim contiguous
+    sin_ptr,  # [num_tokens, 1, head_dim], row stride stride_sin, last dim contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64, -1 = padded token, not written
+    stride_qt, stride_qh,  # q strides (token, head); head_dim is contiguous
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_cos, stride_sin,
+    stride_cb, stride_cs, stride_ch,  # cache strides (block, slot in block, head), shared by k and v caches
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PAD: tl.constexpr,  # next power of two >= HALF
+    BLOCK_H: tl.constexpr,  # query heads per program
+    KV_HEADS_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
+):
+    """The rope op and ``_write_kv_kernel`` in one launch (``TritonAttentionBackend.forward(..., rope=...)``).
+
+    Grid (num_tokens, 1 + cdiv(num_heads, BLOCK_H)). Program (t, 0) rotates token t's K heads, stores them back
+    and into the token's cache slot, and copies its V heads there; program (t, j >= 1) rotates query heads
+    [(j - 1) * BLOCK_H, j * BLOCK_H) in place. Roundings as ``TorchOps.rope_`` (``triton_rope``)."""
+    pdl_begin(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    cs = rope_cos_sin(cos_ptr + tok * stride_cos, sin_ptr + tok * stride_sin, HALF, HALF_PAD)
+    # (the two branches name their tensors apart: Triton merges same-named values of an if / else)
+    if blk == 0:
+        slot = tl.load(slot_mapping_ptr + tok)
+        h = tl.arange(0, KV_HEADS_PAD)[:, None]
+        kv_mask = (h < num_kv_heads) & (dims < HALF)
+        k1_ptr = k_ptr + tok * stride_kt + h * stride_kh + dims
+        k1, k2 = rope_rotate(tl.load(k1_ptr, mask=kv_mask, other=0.0),
+                             tl.load(k1_ptr + HALF, mask=kv_mask, other=0.0), cs)
+        tl.store(k1_ptr, k1, mask=kv_mask)
+        tl.store(k1_ptr + HALF, k2, mask=kv_mask)
+        v1_ptr = v_ptr + tok * stride_vt + h * stride_vh + dims
+        v1 = tl.load(v1_ptr, mask=kv_mask)
+        v2 = tl.load(v1_ptr + HALF, mask=kv_mask)
+        written = kv_mask & (slot >= 0)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + dims
+        tl.store(k_cache_ptr + dst, k1, mask=written)
+        tl.store(k_cache_ptr + dst + HALF, k2, mask=written)
+        tl.store(v_cache_ptr + dst, v1, mask=written)
+        tl.store(v_cache_ptr + dst + HALF, v2, mask=written)
+    else:
+        heads = (blk - 1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        q_mask = (heads < num_heads) & (dims < HALF)
+        q1_ptr = q_ptr + tok * stride_qt + heads * stride_qh + dims
+        q1, q2 = rope_rotate(tl.load(q1_ptr, mask=q_mask, other=0.0),
+                             tl.load(q1_ptr + HALF, mask=q_mask, other=0.0), cs)
+        tl.store(q1_ptr, q1, mask=q_mask)
+        tl.store(q1_ptr + HALF, q2, mask=q_mask)
 
 
 @triton.jit
@@ -328,6 +396,18 @@ def _prefill_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
+def _rope_fusable(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> bool:
+    """Whether ``_rope_write_kv_kernel`` rotates as ``TorchOps.rope_`` would: an even head_dim, and cos/sin of
+    q's dtype (torch promotes bf16 q times fp32 cos to fp32 before rounding: other bits) with contiguous rows."""
+    return (q.shape[-1] % 2 == 0 and all(t.dtype == q.dtype and t.shape == (q.shape[0], 1, q.shape[-1])
+                                         and t.stride(-1) == 1 for t in (cos, sin)))
+
+
 def _sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
@@ -361,6 +441,7 @@ class TritonAttentionBackend:
     uniform batch, see ``engine/cuda_graphs.py``) and pins the step's ``num_splits``."""
 
     capturable = True
+    fuses_rope = True  # forward(..., rope=(cos, sin)) rotates q and k in the cache-write launch
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None,
                  decode_block_n: int | None = None, decode_stages: int = DECODE_STAGES) -> None:
@@ -495,7 +576,11 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin), each [num_tokens, 1, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v into the cache at ``meta.slot_mapping``, then attend. With ``rope``, q and k are rotated
+        first (in place, as ``TorchOps.rope_`` rotates them), in the same launch as the cache write where the
+        layouts allow (``fuses_rope``)."""
         extra = meta.extra
         assert extra is not None and extra.get("backend") == "triton", "prepare() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
@@ -522,11 +607,26 @@ class TritonAttentionBackend:
         if num_tokens == 0:
             return out
 
-        _write_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, extra["slot_mapping"], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            *cache_strides, num_kv_heads, head_dim,
-            BLOCK_SIZE=block_size, KV_HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM_PAD=head_dim_pad,
-            **pdl_args(q.device))
+        if rope is not None and not _rope_fusable(q, k, *rope):
+            TorchOps.rope_(q, *rope)  # the torch reference on layouts the fused kernel does not take
+            TorchOps.rope_(k, *rope)
+            rope = None
+        if rope is None:
+            _write_kv_kernel[(num_tokens,)](
+                k, v, k_cache, v_cache, extra["slot_mapping"], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                *cache_strides, num_kv_heads, head_dim,
+                BLOCK_SIZE=block_size, KV_HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM_PAD=head_dim_pad,
+                **pdl_args(q.device))
+        else:
+            cos, sin = rope
+            half_pad = _next_pow2(head_dim // 2)
+            block_h = min(_next_pow2(num_heads), max(1, ROPE_TILE // (2 * half_pad)))
+            _rope_write_kv_kernel[(num_tokens, 1 + triton.cdiv(num_heads, block_h))](
+                q, k, v, cos, sin, k_cache, v_cache, extra["slot_mapping"], q.stride(0), q.stride(1),
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *cache_strides,
+                num_heads, num_kv_heads,
+                HALF=head_dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h, KV_HEADS_PAD=_next_pow2(num_kv_heads),
+                BLOCK_SIZE=block_size, num_warps=4, enable_fp_fusion=False, **pdl_args(q.device))
 
         block_tables = extra["block_tables"]
         if extra["num_short"]:

@@ -72,6 +72,7 @@ import triton.language as tl
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_gpu import FP8_DTYPE, Fp8Activations, quantize_fp8_activations
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
+from specserve.layers.triton_rope import rope_cos_sin, rope_rotate
 from specserve.layers.triton_w8a16 import _fp8_quantize, _fp8_scale
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -302,19 +303,11 @@ def _rope_kernel(
     dim_mask = dims < HALF
     mask = (heads[:, None] < num_heads) & dim_mask[None, :]
     ptr1 = qk_ptr + tok * stride_t + heads[:, None] * (2 * HALF) + dims[None, :]
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
-    act = x1.dtype
-    c1 = tl.load(cos_ptr + tok * stride_c + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + tok * stride_c + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + tok * stride_s + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + tok * stride_s + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    out1 = (x1f * c1).to(act).to(tl.float32) - (x2f * s1).to(act).to(tl.float32)
-    out2 = (x2f * c2).to(act).to(tl.float32) + (x1f * s2).to(act).to(tl.float32)
-    tl.store(ptr1, out1.to(act), mask=mask)
-    tl.store(ptr1 + HALF, out2.to(act), mask=mask)
+    cs = rope_cos_sin(cos_ptr + tok * stride_c, sin_ptr + tok * stride_s, HALF, HALF_PAD)
+    out1, out2 = rope_rotate(tl.load(ptr1, mask=mask, other=0.0), tl.load(ptr1 + HALF, mask=mask, other=0.0), cs)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + HALF, out2, mask=mask)
+
 
 
 def _rows_ok(t: torch.Tensor) -> bool:

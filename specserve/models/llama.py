@@ -66,10 +66,13 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(qkv[:, :self.q_size].reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
             k = self.ops.rms_norm(qkv[:, self.q_size:qk_size].reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
             qk = torch.cat([q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)], dim=1)
-        self.ops.rope_(qk, *cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, d)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
+        if getattr(backend, "fuses_rope", False):  # rotates q and k in its cache-write launch
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, rope=cos_sin)  # [n, h, d]
+        else:
+            self.ops.rope_(qk, *cos_sin)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
 

@@ -209,7 +209,8 @@ def test_kernels_compile_for_hopper(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_compile_check.py"),
                              "--quick"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "9 kernel variants compiled for sm_90" in result.stdout  # 3 combine variants collapsed into 1
+    # 3 combine variants collapsed into 1; one fused rope + KV write (the rope tables make no new variant)
+    assert "10 kernel variants compiled for sm_90" in result.stdout
 
 
 def test_engine_greedy_output_equals_reference_backend():
@@ -295,3 +296,85 @@ def test_auto_splits_fill_the_sms_only_when_programs_are_fewer():
         splits = auto_splits(programs, 132)
         assert 1 <= splits <= MAX_AUTO_SPLITS
         assert splits == 1 or programs * splits <= DECODE_SPLIT_WAVES * 132
+
+
+def check_fused_rope(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0,
+                     padded=(), table_dtype=None):
+    """``forward(..., rope=(cos, sin))`` (q and k rotated in the cache-write launch) against the layer's old order:
+    ``TorchOps.rope_`` on q and k, then the torch reference backend. Rotated q / k and both caches must equal the
+    reference bit for bit (same roundings), the attention output to ATOL (fp32) or bf16 tolerance. ``padded``:
+    tokens whose slot is -1 (rotated, not written); ``table_dtype``: cos/sin in another dtype than q (the backend
+    then rotates with torch, as the rope op would)."""
+    from specserve.layers.ops import TorchOps
+    from specserve.layers.rope import RotaryEmbedding
+    gen = torch.Generator().manual_seed(seed)
+    meta, q, k, v, k_cache, v_cache = make_batch(gen, query_lens, context_lens, block_size, num_heads,
+                                                 num_kv_heads, head_dim, dtype)
+    meta.slot_mapping[list(padded)] = -1
+    positions = torch.tensor([c + i for c, n in zip(context_lens, query_lens) for i in range(n)], device=DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 4096, 500000.0, None, DEVICE).cos_sin(positions, table_dtype or dtype)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # a second fused qkv, same values
+    hq, hk = num_heads * head_dim, num_kv_heads * head_dim
+    views = [fused[:, :hq].view_as(q), fused[:, hq:hq + hk].view_as(k), fused[:, hq + hk:].view_as(v)]
+    q_ref, k_ref = TorchOps.rope_(q.clone(), cos, sin), TorchOps.rope_(k.clone(), cos, sin)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    oracle = TorchAttentionBackend()
+    oracle.prepare(meta, block_size)
+    ref = oracle.forward(q_ref, k_ref, v, ref_k_cache, ref_v_cache, meta)
+    backend = TritonAttentionBackend()
+    assert backend.fuses_rope
+    backend.prepare(meta, block_size)
+    out = backend.forward(*views, k_cache, v_cache, meta, rope=(cos, sin))
+    assert torch.equal(views[0], q_ref) and torch.equal(views[1], k_ref) and torch.equal(views[2], v)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    atol = ATOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [*HEADS, (6, 2, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_write_kv_matches_rope_then_write(num_heads, num_kv_heads, head_dim, dtype):
+    # decode, verify and a prefill chunk in one step; two padded tokens (a decode row and one of the chunk)
+    check_fused_rope([1, 4, 19, 1], [30, 9, 5, 0], 16, num_heads, num_kv_heads, head_dim, dtype, padded=(0, 10))
+
+
+def test_fused_rope_llama_heads_split_query_head_blocks():
+    # 32 query heads of 128: two 16-head programs per token besides the k/v one
+    check_fused_rope([1, 2], [17, 40], 16, 32, 8, 128, torch.bfloat16)
+
+
+def test_fused_rope_other_table_dtype_rotates_as_torch():
+    # fp32 tables with bf16 q/k: torch promotes the products to fp32 before rounding, so the backend runs torch's op
+    check_fused_rope([1, 3], [12, 4], 16, 9, 3, 64, torch.bfloat16, table_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])  # rope on views of qkv; on q/k norms' outputs (qwen3)
+def test_model_with_fused_rope_matches_torch_backend(architecture):
+    """A whole tiny model (prefill of 5 tokens, then one decode token) through the Triton backend, which rotates q
+    and k in its cache-write launch, against the torch reference backend after the layer's own rope op: the same
+    hidden states and caches (fp32, to the attention tolerance)."""
+    from specserve.models.loader import _init_dummy, build_model
+    from tests.tiny import tiny_config
+    config = tiny_config(architecture, num_hidden_layers=1)  # one layer: interpreted launches are slow
+    model = build_model(config, config.max_position_embeddings, torch.float32, DEVICE)
+    _init_dummy(model, 0)
+    hd, kvh = config.head_dim, config.num_key_value_heads
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        caches = [(torch.zeros(3, 4, kvh, hd, device=DEVICE), torch.zeros(3, 4, kvh, hd, device=DEVICE))
+                  for _ in range(config.num_hidden_layers)]
+        hidden = []
+        for ids, start in (([5, 17, 3, 88, 41], 0), ([23], 5)):
+            n = len(ids)
+            meta = build_attention_metadata([n], [start + n], [[2, 0, 1]], 4, DEVICE)
+            backend.prepare(meta, 4)
+            with torch.inference_mode():
+                h, _ = model(torch.tensor(ids, device=DEVICE), torch.arange(start, start + n, device=DEVICE),
+                             caches, meta, backend)
+            hidden.append(h)
+        results.append((torch.cat(hidden), caches))
+    (ref, ref_caches), (got, got_caches) = results
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    for (rk, rv), (gk, gv) in zip(ref_caches, got_caches):
+        torch.testing.assert_close(gk, rk, atol=1e-5, rtol=0)
+        torch.testing.assert_close(gv, rv, atol=1e-5, rtol=0)

@@ -2,8 +2,9 @@
 
 The interpreter that runs the unit tests on CPU executes the kernels in numpy and never type-checks, lays out
 or lowers them, so a kernel can pass every interpreted test and still fail to compile. This script runs
-``TritonAttentionBackend.forward`` on CPU tensors with each kernel replaced by a recorder, then compiles every
-distinct launch it recorded (the real arguments, constexprs and launch options) for sm_90 (H100/H200):
+``TritonAttentionBackend.forward`` (with and without rope tables) on CPU tensors with each kernel replaced by a
+recorder, then compiles every distinct launch it recorded (the real arguments, constexprs and launch options)
+for sm_90 (H100/H200):
 
     PYTHONPATH=. python tests/unit/triton_compile_check.py            # Llama-3.1-8B and SmolLM2 shapes
     PYTHONPATH=. python tests/unit/triton_compile_check.py --quick    # one shape, bf16 only
@@ -27,7 +28,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from specserve.layers import triton_attention, triton_pdl  # noqa: E402
 from specserve.layers.attention import build_attention_metadata  # noqa: E402
 
-KERNELS = ("_write_kv_kernel", "_decode_kernel", "_combine_splits_kernel", "_prefill_kernel")
+KERNELS = ("_write_kv_kernel", "_rope_write_kv_kernel", "_decode_kernel", "_combine_splits_kernel", "_prefill_kernel")
 
 
 class Recorder:
@@ -76,6 +77,8 @@ def forward_on_cpu(num_heads, num_kv_heads, head_dim, dtype, num_splits, query_l
     backend = triton_attention.TritonAttentionBackend(num_splits=num_splits)
     backend.prepare(meta, block_size)
     backend.forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta)
+    cos_sin = torch.zeros(t, 2, head_dim, dtype=dtype)  # the rope tables' layout (layers/rope.py: row stride 2 d)
+    backend.forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta, rope=(cos_sin[:, 0:1], cos_sin[:, 1:2]))
 
 
 def compile_launches(launches: list, target: GPUTarget) -> int:

@@ -1,16 +1,22 @@
-"""Rope fused into the KV-cache write (``triton_attention._rope_write_kv_kernel``, one launch per layer and step)
-against the separate rope op + ``_write_kv_kernel`` (two launches), side by side on one GPU (GPU machine, not CI).
+"""One of TritonAttentionBackend's launch fusions on against off, side by side on one GPU (GPU machine, not CI):
 
-The layer takes the fused path when its attention backend says ``fuses_rope``; the unfused arm sets that class
-attribute to False for its engines (their CUDA graphs capture the layer's launches as they were). Arms alternate
-in order each round (``--rounds``), and each number is a median over the rounds' medians.
+- ``--attr fuses_rope``: rope fused into the KV-cache write (``_rope_write_kv_kernel``, one launch per layer and
+  step) against the layer's rope op + ``_write_kv_kernel`` (two launches);
+- ``--attr last_split_combines``: split decode merged by the last split program to finish (arrival counters in
+  ``_decode_kernel``) against ``_combine_splits_kernel`` launched after it.
+
+The arm "fused" sets the class attribute True, "unfused" False, for the arm's engines (their CUDA graphs capture
+the launches as they were). Arms alternate in order each round (``--rounds``); each number is a median over the
+rounds' medians.
 
 - ``decode``: the engine's median decode step and its graph replay on the Llama-3.1-8B shape (dummy weights), bf16
   and FP8 (``--quantization``), at ``--batches``;
 - ``e2e``: SmolLM2-135M shape (dummy weights) offline greedy generate of ``--new-tokens`` at concurrency 1, output
-  tokens/s, and whether the two arms generated the same tokens (they must: the fused kernel rounds as the op).
+  tokens/s, and whether the two arms generated the same tokens (for fuses_rope they must: the fused kernel rounds
+  as the op; the in-kernel merge sums the splits in another order, so tokens may differ on near-ties).
 
-    python benchmarks/rope_fusion_ab_gpu.py --out $OUT/rope_fusion_ab_gpu.json
+    python benchmarks/attention_fusion_ab_gpu.py --attr fuses_rope --out $OUT/rope_fusion_ab_gpu.json
+    python benchmarks/attention_fusion_ab_gpu.py --attr last_split_combines --out $OUT/split_merge_ab_gpu.json
 """
 
 from __future__ import annotations
@@ -33,14 +39,14 @@ from specserve.models.shapes import shape_config  # noqa: E402
 ARMS = ("fused", "unfused")
 
 
-def with_arm(arm: str, fn, *args):
-    """``fn(*args)`` with the backend's rope fusion on (``fused``) or off (``unfused``)."""
-    saved = TritonAttentionBackend.fuses_rope
-    TritonAttentionBackend.fuses_rope = arm == "fused"
+def with_arm(attr: str, arm: str, fn, *args):
+    """``fn(*args)`` with the backend's fusion ``attr`` on (``fused``) or off (``unfused``)."""
+    saved = getattr(TritonAttentionBackend, attr)
+    setattr(TritonAttentionBackend, attr, arm == "fused")
     try:
         return fn(*args)
     finally:
-        TritonAttentionBackend.fuses_rope = saved
+        setattr(TritonAttentionBackend, attr, saved)
 
 
 def decode_arm(model, config, args, device: torch.device) -> dict:
@@ -75,6 +81,7 @@ def e2e_arm(model, config, args, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--attr", default="fuses_rope", choices=("fuses_rope", "last_split_combines"))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--quantization", default="bf16,fp8", help="comma list of bf16 / fp8 / int4")
     ap.add_argument("--steps", type=int, default=30)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     dtype = torch.bfloat16
     report: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
-                    "torch": torch.__version__, "rounds": args.rounds, "decode": {}, "e2e": {}}
+                    "torch": torch.__version__, "attr": args.attr, "rounds": args.rounds, "decode": {}, "e2e": {}}
 
     def orders():
         return [ARMS if r % 2 == 0 else ARMS[::-1] for r in range(args.rounds)]
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict = {arm: [] for arm in ARMS}
         for order in orders():
             for arm in order:
-                runs[arm].append(with_arm(arm, decode_arm, model, config, args, device))
+                runs[arm].append(with_arm(args.attr, arm, decode_arm, model, config, args, device))
         res = {arm: {str(b): {k: statistics.median(run[str(b)][k] for run in runs[arm])
                               for k in ("median_step_s", "graph_replay_s")} for b in args.batches}
                for arm in ARMS}
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {arm: [] for arm in ARMS}
     for order in orders():
         for arm in order:
-            runs[arm].append(with_arm(arm, e2e_arm, model, small, args, device))
+            runs[arm].append(with_arm(args.attr, arm, e2e_arm, model, small, args, device))
     e2e = {arm: statistics.median(r["tok_s"] for r in runs[arm]) for arm in ARMS}
     e2e["fused_over_unfused"] = e2e["fused"] / e2e["unfused"]
     e2e["same_tokens"] = all(r["output_ids"] == runs["unfused"][0]["output_ids"] for arm in ARMS for r in runs[arm])

@@ -2,8 +2,9 @@
 
 - ``--attr fuses_rope``: rope fused into the KV-cache write (``_rope_write_kv_kernel``, one launch per layer and
   step) against the layer's rope op + ``_write_kv_kernel`` (two launches);
-- ``--attr last_split_combines``: split decode merged by the last split program to finish (arrival counters in
-  ``_decode_kernel``) against ``_combine_splits_kernel`` launched after it.
+- ``--attr last_split_combines`` (391d2b7 only; removed after its run, split_merge_ab_h200.json): split decode
+  merged by the last split program to finish (arrival counters in ``_decode_kernel``) against
+  ``_combine_splits_kernel`` launched after it.
 
 The arm "fused" sets the class attribute True, "unfused" False, for the arm's engines (their CUDA graphs capture
 the launches as they were). Arms alternate in order each round (``--rounds``); each number is a median over the
@@ -13,10 +14,9 @@ rounds' medians.
   and FP8 (``--quantization``), at ``--batches``;
 - ``e2e``: SmolLM2-135M shape (dummy weights) offline greedy generate of ``--new-tokens`` at concurrency 1, output
   tokens/s, and whether the two arms generated the same tokens (for fuses_rope they must: the fused kernel rounds
-  as the op; the in-kernel merge sums the splits in another order, so tokens may differ on near-ties).
+  as the op; 391d2b7's in-kernel merge summed the splits in another order, so its tokens could differ).
 
     python benchmarks/attention_fusion_ab_gpu.py --attr fuses_rope --out $OUT/rope_fusion_ab_gpu.json
-    python benchmarks/attention_fusion_ab_gpu.py --attr last_split_combines --out $OUT/split_merge_ab_gpu.json
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def e2e_arm(model, config, args, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--attr", default="fuses_rope", choices=("fuses_rope", "last_split_combines"))
+    ap.add_argument("--attr", default="fuses_rope", choices=("fuses_rope",),
+                    help="the TritonAttentionBackend class attribute the arms set (see the docstring)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--quantization", default="bf16,fp8", help="comma list of bf16 / fp8 / int4")
     ap.add_argument("--steps", type=int, default=30)

@@ -13,9 +13,12 @@ graph:
    every query head of the kv head's group as the rows of one tile, so each K/V tile read from the cache
    serves the whole GQA group. It walks the sequence's block table with an online softmax in fp32
    (flash-decoding). With ``num_splits > 1`` the key range is cut into that many pieces, each its own program
-   writing a partial result and its log-sum-exp (more programs in flight for a small batch of long sequences);
-   the last split of a (sequence, kv head) to finish merges them, counted in by an atomic arrival counter
-   (``last_split_combines``; else ``_combine_splits_kernel`` merges them in a launch of its own).
+   writing a partial result and its log-sum-exp, and ``_combine_splits_kernel`` merges them (more programs
+   in flight for a small batch of long sequences). Merging inside ``_decode_kernel`` instead (the last split of
+   a (sequence, kv head) to finish, counted in by an atomic arrival counter, merging the splits in a loop) was
+   slower on an H200 wherever it applied (benchmarks/results/split_merge_ab_h200.json: bf16 decode b1 4.17 ->
+   4.31 ms, SmolLM2 c1 1014 -> 873 tok/s): its merge waits on one round trip per split, the combine launch on
+   one in all, so it was removed.
 3. ``_prefill_kernel`` attends the long chunks (chunked prefill: context from earlier chunks may already sit
    in the cache). One program per (tile of query tokens, kv head), keys read from the paged cache up to the
    tile's last query position, causal mask within the chunk.
@@ -237,7 +240,6 @@ def _decode_kernel(
     seq_ids_ptr,  # [num_short_seqs] int32 the sequences this launch attends
     split_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (SPLIT only)
     split_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 log2-sum-exp2 (SPLIT only)
-    count_ptr,  # [num_short_seqs * num_kv_heads] int32 arrival counters, zero before and after (LAST_COMBINES)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -249,7 +251,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
-    LAST_COMBINES: tl.constexpr,  # SPLIT: the last split to finish merges them (no _combine_splits_kernel)
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
 ):
@@ -295,57 +296,10 @@ def _decode_kernel(
         row = (tok * num_heads + head) * num_splits + split  # [BLOCK_M] flat index of (token, head, split)
         tl.store(split_out_ptr + row[:, None] * head_dim + d[None, :], o, mask=io_mask)
         tl.store(split_lse_ptr + row, lse, mask=row_valid)
-        if LAST_COMBINES:
-            # Count this split in; the (sequence, kv head)'s last split to arrive merges all of them in split
-            # order (deterministic), as _combine_splits_kernel would, and leaves the counter at zero.
-            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_splits(out_ptr, split_out_ptr, split_lse_ptr, tok, head, row_valid, io_mask, d,
-                              stride_ot, stride_oh, num_heads, num_splits, head_dim, BLOCK_M, HEAD_DIM_PAD)
-                tl.store(counter, 0)  # ready for the next launch
     else:
         o = acc / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    split_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32, each split's normalised output
-    split_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32, each split's log2-sum-exp2 (-inf: no keys)
-    tok,  # [BLOCK_M] packed token index of each row
-    head,  # [BLOCK_M] query head of each row
-    row_valid,  # [BLOCK_M] rows of real query tokens
-    io_mask,  # [BLOCK_M, HEAD_DIM_PAD] row_valid x (d < head_dim)
-    d,  # [HEAD_DIM_PAD] arange
-    stride_ot, stride_oh,
-    num_heads, num_splits, head_dim,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    """out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m), m = max_s lse_s, for the rows of one decode tile,
-    summed in split order; the partials are read past L1 (other programs wrote them)."""
-    base = (tok * num_heads + head) * num_splits  # [BLOCK_M] flat index of (token, head, split 0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(split_lse_ptr + base + s, mask=row_valid, other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(split_lse_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                    - m)  # [BLOCK_M]; 0 where a split saw no key
-        o = tl.load(split_out_ptr + (base + s)[:, None] * head_dim + d[None, :], mask=io_mask, other=0.0,
-                    cache_modifier=".cg")
-        acc += o * w[:, None]
-        total += w
-    o = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -492,12 +446,6 @@ class TritonAttentionBackend:
 
     capturable = True
     fuses_rope = True  # forward(..., rope=(cos, sin)) rotates q and k in the cache-write launch
-    # Split decode: the last split of each (sequence, kv head) to finish merges the splits inside _decode_kernel
-    # (an arrival counter per pair), instead of a _combine_splits_kernel launch after it. Off: on an H200, two
-    # alternating rounds (benchmarks/attention_fusion_ab_gpu.py --attr last_split_combines,
-    # split_merge_ab_h200.json) it was slower everywhere it applies: Llama-8B shape bf16 decode b1 / b8 4.17 ->
-    # 4.31 / 4.74 -> 4.86 ms, fp8 b1 2.82 -> 2.96 ms, SmolLM2 c1 1014 -> 873 tok/s (b32 runs unsplit: same).
-    last_split_combines = False
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None,
                  decode_block_n: int | None = None, decode_stages: int = DECODE_STAGES) -> None:
@@ -696,22 +644,16 @@ class TritonAttentionBackend:
                 split_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
             else:
                 split_out = split_lse = out  # not read or written without SPLIT
-            last_combines = split and self.last_split_combines
-            counts = extra.get("split_counts")
-            if last_combines and (counts is None or counts.numel() < num_short * num_kv_heads):
-                # zeroed once per step (a captured step: once per replay); every launch leaves them zero
-                counts = extra["split_counts"] = torch.zeros(num_short * num_kv_heads, dtype=torch.int32,
-                                                             device=q.device)
             _decode_kernel[(num_short, num_kv_heads, num_splits)](
                 q, out, k_cache, v_cache, block_tables, extra["seq_lens"], extra["query_start_loc"],
-                extra["short_seq_ids"], split_out, split_lse, counts if last_combines else block_tables,
+                extra["short_seq_ids"], split_out, split_lse,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
                 num_heads, num_splits, head_dim, qk_scale,
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad, num_splits),
-                BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, SPLIT=split, LAST_COMBINES=last_combines,
-                DOT_PRECISION=precision, num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad),
-                num_stages=self.decode_stages, **pdl_args(q.device))
-            if split and not last_combines:
+                BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
+                num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=self.decode_stages,
+                **pdl_args(q.device))
+            if split:
                 _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](
                     out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"],
                     out.stride(0), out.stride(1), num_heads, num_splits, head_dim,

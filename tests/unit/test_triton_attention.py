@@ -379,24 +379,3 @@ def test_model_with_fused_rope_matches_torch_backend(architecture):
         torch.testing.assert_close(gk, rk, atol=1e-5, rtol=0)
         torch.testing.assert_close(gv, rv, atol=1e-5, rtol=0)
 
-
-@pytest.mark.parametrize("last_split_combines", [True, False])
-def test_split_merge_in_kernel_and_in_its_own_launch(last_split_combines):
-    """Splits merged by the last split program to arrive (arrival counters, left at zero for the next layer's
-    launch) and by _combine_splits_kernel: both match the reference, on decode, verify and empty-split rows, and
-    a second launch on the same step (the next layer) finds its counters at zero."""
-    gen = torch.Generator().manual_seed(5)
-    meta, q, k, v, k_cache, v_cache = make_batch(gen, [1, 4, 1, 9], [150, 20, 2, 60], 16, 8, 2, 64)
-    backend = TritonAttentionBackend(num_splits=4, block_n=16)
-    backend.last_split_combines = last_split_combines
-    (ref, ref_k, ref_v), (out, out_k, out_v) = run_backends((TorchAttentionBackend(), backend), meta, q, k, v,
-                                                            k_cache, v_cache, 16)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    counts = meta.extra.get("split_counts")
-    if last_split_combines:
-        assert counts is not None and counts.numel() == 4 * 2 and not counts.any()
-        again = backend.forward(q, k, v, out_k, out_v, meta)  # "layer 2": same step, same counters
-        torch.testing.assert_close(again, ref, atol=ATOL, rtol=0)
-        assert not counts.any()
-    else:
-        assert counts is None

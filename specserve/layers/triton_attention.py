@@ -48,7 +48,7 @@ import triton.language as tl
 from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
 from specserve.layers.ops import TorchOps
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
-from specserve.layers.triton_rope import rope_cos_sin, rope_rotate
+from specserve.layers.triton_rope import rope_cos_sin, rope_rotate_
 
 LOG2E = 1.4426950408889634
 # Query tokens per prefill program, by GQA group size: tiles of about 64 rows (tokens x group heads).
@@ -155,10 +155,7 @@ def _rope_write_kv_kernel(
         h = tl.arange(0, KV_HEADS_PAD)[:, None]
         kv_mask = (h < num_kv_heads) & (dims < HALF)
         k1_ptr = k_ptr + tok * stride_kt + h * stride_kh + dims
-        k1, k2 = rope_rotate(tl.load(k1_ptr, mask=kv_mask, other=0.0),
-                             tl.load(k1_ptr + HALF, mask=kv_mask, other=0.0), cs)
-        tl.store(k1_ptr, k1, mask=kv_mask)
-        tl.store(k1_ptr + HALF, k2, mask=kv_mask)
+        k1, k2 = rope_rotate_(k1_ptr, kv_mask, cs, HALF)
         v1_ptr = v_ptr + tok * stride_vt + h * stride_vh + dims
         v1 = tl.load(v1_ptr, mask=kv_mask)
         v2 = tl.load(v1_ptr + HALF, mask=kv_mask)
@@ -172,10 +169,7 @@ def _rope_write_kv_kernel(
         heads = (blk - 1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         q_mask = (heads < num_heads) & (dims < HALF)
         q1_ptr = q_ptr + tok * stride_qt + heads * stride_qh + dims
-        q1, q2 = rope_rotate(tl.load(q1_ptr, mask=q_mask, other=0.0),
-                             tl.load(q1_ptr + HALF, mask=q_mask, other=0.0), cs)
-        tl.store(q1_ptr, q1, mask=q_mask)
-        tl.store(q1_ptr + HALF, q2, mask=q_mask)
+        rope_rotate_(q1_ptr, q_mask, cs, HALF)
 
 
 @triton.jit

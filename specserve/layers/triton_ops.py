@@ -72,7 +72,7 @@ import triton.language as tl
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_gpu import FP8_DTYPE, Fp8Activations, quantize_fp8_activations
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
-from specserve.layers.triton_rope import rope_cos_sin, rope_rotate
+from specserve.layers.triton_rope import rope_cos_sin, rope_rotate_
 from specserve.layers.triton_w8a16 import _fp8_quantize, _fp8_scale
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -304,10 +304,7 @@ def _rope_kernel(
     mask = (heads[:, None] < num_heads) & dim_mask[None, :]
     ptr1 = qk_ptr + tok * stride_t + heads[:, None] * (2 * HALF) + dims[None, :]
     cs = rope_cos_sin(cos_ptr + tok * stride_c, sin_ptr + tok * stride_s, HALF, HALF_PAD)
-    out1, out2 = rope_rotate(tl.load(ptr1, mask=mask, other=0.0), tl.load(ptr1 + HALF, mask=mask, other=0.0), cs)
-    tl.store(ptr1, out1, mask=mask)
-    tl.store(ptr1 + HALF, out2, mask=mask)
-
+    rope_rotate_(ptr1, mask, cs, HALF)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:

@@ -47,3 +47,16 @@ def rope_rotate(
     out1 = (x1f * c1).to(act).to(tl.float32) - (x2f * s1).to(act).to(tl.float32)
     out2 = (x2f * c2).to(act).to(tl.float32) + (x1f * s2).to(act).to(tl.float32)
     return out1.to(act), out2.to(act)
+
+
+@triton.jit
+def rope_rotate_(
+    ptr1,  # [heads, HALF_PAD] pointers to the heads' first halves (second halves at + HALF); rotated in place
+    mask,  # [heads, HALF_PAD] elements to rotate
+    cs,  # rope_cos_sin(...) of the heads' token
+    HALF: tl.constexpr,  # head_dim // 2
+):  # (out1, out2): the rotated halves, as stored
+    out1, out2 = rope_rotate(tl.load(ptr1, mask=mask, other=0.0), tl.load(ptr1 + HALF, mask=mask, other=0.0), cs)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + HALF, out2, mask=mask)
+    return out1, out2

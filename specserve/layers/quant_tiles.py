@@ -138,7 +138,9 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # forward at batch 4 3.989 / 3.981 -> 3.936 / 3.934; batch 32 (and the 32-row verify) 2% slower, so rows 9 to 32
 # keep prefetch 0. Two tiles (prefetch 2) were slower at every batch, and so was EARLY_LAUNCH with or without it.
 # Same products, another fp32 sum order (the prefetched tile is added after the loop); the 32-row verify logits of
-# the prefetching table equalled the committed one's bit for bit in both runs (logits_vs_fp8 0.0).
+# the prefetching table equalled the committed one's bit for bit in both runs (logits_vs_fp8 0.0). Rows 1-8 and
+# 9-32 thus sum in different orders, so a token's FP8 projections may differ in their last bits between a small
+# decode step and a 9-32-row verify, as they already could between MMA tiles of 16 and 32 rows.
 W8A16_TILES = TileTable(
     by_rows={
         8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True, prefetch=1),

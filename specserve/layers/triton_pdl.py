@@ -11,8 +11,12 @@ and the results are the same bits as without it.
 
 Every kernel that takes ``USE_PDL`` calls ``pdl_begin`` before its first global memory access: it waits for the
 kernel before it, then lets the next one launch. Because each such kernel waits before any load or store, "the
-kernel before me has completed" holds transitively for the whole stream. A kernel launched without the option
-(torch's, cuBLAS's) is ordered as usual; a PDL kernel that follows one simply starts when it completes.
+kernel before me has completed" holds transitively for the whole stream. One exception: with
+``TileConfig.prefetch`` the W8A16 kernel loads its first weight tiles before ``pdl_begin``. Weights are written
+only when a model loads (by torch, never by a kernel of a step), and the kernel still waits before it reads
+activations or writes anything and before it lets the next kernel launch, so the chain holds. A kernel launched
+without the option (torch's, cuBLAS's) is ordered as usual; a PDL kernel that follows one simply starts when it
+completes.
 
 ``ENABLED`` is read at every launch (benchmarks flip it for an A/B run; a captured CUDA graph keeps what it
 captured); ``SPECSERVE_DISABLE_PDL=1`` turns PDL off for the process. Off on CPU, under ``TRITON_INTERPRET=1``
@@ -77,8 +81,8 @@ def pdl_args(device: torch.device) -> dict:
 @triton.jit
 def pdl_begin(USE_PDL: tl.constexpr):
     """Wait for the previous kernel in the stream to complete (its writes visible) and allow the next kernel to
-    launch, in that order (``USE_PDL`` 1) or the other (2). Call before the kernel's first global load or store; a
-    no-op when ``USE_PDL`` is 0."""
+    launch, in that order (``USE_PDL`` 1) or the other (2). Call before the kernel's first global load or store
+    (only loads of data no kernel writes, such as weights, may come before it); a no-op when ``USE_PDL`` is 0."""
     if USE_PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

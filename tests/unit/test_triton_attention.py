@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -324,7 +325,9 @@ def check_fused_rope(query_lens, context_lens, block_size, num_heads, num_kv_hea
     backend = TritonAttentionBackend()
     assert backend.fuses_rope
     backend.prepare(meta, block_size)
-    out = backend.forward(*views, k_cache, v_cache, meta, rope=(cos, sin))
+    with mock.patch.object(triton_attention.TorchOps, "rope_", wraps=TorchOps.rope_) as torch_rope:
+        out = backend.forward(*views, k_cache, v_cache, meta, rope=(cos, sin))
+    assert torch_rope.call_count == (0 if table_dtype is None else 2)  # the kernel rotated, or torch's op did
     assert torch.equal(views[0], q_ref) and torch.equal(views[1], k_ref) and torch.equal(views[2], v)
     assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
     atol = ATOL if dtype == torch.float32 else 2e-2

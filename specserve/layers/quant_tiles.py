@@ -59,6 +59,10 @@ class TileConfig:
     group_m: int = 8
     tma: bool = False
 
+    def __post_init__(self) -> None:
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"TileConfig.prefetch: {self.prefetch} is not 0, 1 or 2")
+
     def describe(self) -> str:
         return (f"TileConfig(block_n={self.block_n}, block_k={self.block_k}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}, split_k={self.split_k}, block_m={self.block_m}, "

@@ -48,13 +48,11 @@ import triton.language as tl
 from specserve.layers.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
 from specserve.layers.ops import TorchOps
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
-from specserve.layers.triton_rope import rope_cos_sin, rope_rotate_
+from specserve.layers.triton_rope import rope_block_heads, rope_cos_sin, rope_rotate_, rope_tables_match
 
 LOG2E = 1.4426950408889634
 # Query tokens per prefill program, by GQA group size: tiles of about 64 rows (tokens x group heads).
 PREFILL_TILE_TOKENS = (16, 32, 64)
-# Rotated elements per query-head program of the fused rope + KV write (as triton_ops.ROPE_TILE for the rope op).
-ROPE_TILE = 2048
 # Fewest keys worth a split of their own when num_splits is chosen automatically.
 MIN_KEYS_PER_SPLIT = 256
 # Keys per decode tile for heads of 128 or more and for unsplit decode steps (TritonAttentionBackend.decode_tile_keys)
@@ -394,18 +392,6 @@ def _prefill_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
-def _rope_fusable(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-) -> bool:
-    """Whether ``_rope_write_kv_kernel`` rotates as ``TorchOps.rope_`` would: an even head_dim, and cos/sin of
-    q's dtype (torch promotes bf16 q times fp32 cos to fp32 before rounding: other bits) with contiguous rows."""
-    return (q.shape[-1] % 2 == 0 and all(t.dtype == q.dtype and t.shape == (q.shape[0], 1, q.shape[-1])
-                                         and t.stride(-1) == 1 for t in (cos, sin)))
-
-
 def _sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
@@ -605,7 +591,7 @@ class TritonAttentionBackend:
         if num_tokens == 0:
             return out
 
-        if rope is not None and not _rope_fusable(q, k, *rope):
+        if rope is not None and not rope_tables_match(q, *rope):
             TorchOps.rope_(q, *rope)  # the torch reference on layouts the fused kernel does not take
             TorchOps.rope_(k, *rope)
             rope = None
@@ -617,8 +603,7 @@ class TritonAttentionBackend:
                 **pdl_args(q.device))
         else:
             cos, sin = rope
-            half_pad = _next_pow2(head_dim // 2)
-            block_h = min(_next_pow2(num_heads), max(1, ROPE_TILE // (2 * half_pad)))
+            half_pad, block_h = rope_block_heads(num_heads, head_dim)
             _rope_write_kv_kernel[(num_tokens, 1 + triton.cdiv(num_heads, block_h))](
                 q, k, v, cos, sin, k_cache, v_cache, extra["slot_mapping"], q.stride(0), q.stride(1),
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *cache_strides,

@@ -72,7 +72,7 @@ import triton.language as tl
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_gpu import FP8_DTYPE, Fp8Activations, quantize_fp8_activations
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
-from specserve.layers.triton_rope import rope_cos_sin, rope_rotate_
+from specserve.layers.triton_rope import rope_block_heads, rope_cos_sin, rope_rotate_, rope_tables_match
 from specserve.layers.triton_w8a16 import _fp8_quantize, _fp8_scale
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,7 +98,6 @@ SILU_FP8_MAX_BLOCK = 16384
 SILU_FP8_SPLIT_MAX_ROWS = 16
 SILU_FP8_SPLIT_MIN_COLS = 4096
 SILU_FP8_SPLIT_BLOCK = 1024
-ROPE_TILE = 2048  # rotated elements per rope program: heads are split into blocks of ROPE_TILE // head_dim
 
 
 def _next_pow2(n: int) -> int:
@@ -399,20 +398,16 @@ class TritonOps(TorchOps):
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = qk.shape if qk.dim() == 3 else (0, 0, 0)
         supported = (
-            qk.dim() == 3 and qk.dtype in KERNEL_DTYPES and head_dim % 2 == 0
-            and (num_heads <= 1 or qk.stride(1) == head_dim) and qk.stride(2) == 1
-            and all(t.dtype == qk.dtype and t.shape == (num_tokens, 1, head_dim) and t.stride(2) == 1
-                    for t in (cos, sin)))
+            qk.dim() == 3 and qk.dtype in KERNEL_DTYPES and rope_tables_match(qk, cos, sin)
+            and (num_heads <= 1 or qk.stride(1) == head_dim) and qk.stride(2) == 1)
         if not supported:
             return TorchOps.rope_(qk, cos, sin)
         if num_tokens == 0 or num_heads == 0 or head_dim == 0:
             return qk
-        half = head_dim // 2
-        half_pad = _next_pow2(half)
-        block_h = min(_next_pow2(num_heads), max(1, ROPE_TILE // (2 * half_pad)))
+        half_pad, block_h = rope_block_heads(num_heads, head_dim)
         _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             qk, cos, sin, num_heads, qk.stride(0), cos.stride(0), sin.stride(0),
-            HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=_num_warps(block_h * half_pad),
+            HALF=head_dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=_num_warps(block_h * half_pad),
             enable_fp_fusion=False, **pdl_args(qk.device))
         return qk
 

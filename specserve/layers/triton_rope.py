@@ -14,8 +14,30 @@ kernels that use them are launched with ``enable_fp_fusion=False`` so that no pr
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+ROPE_TILE = 2048  # rotated elements per program: heads are split into blocks of ROPE_TILE // head_dim
+
+
+def rope_tables_match(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim] the heads to rotate
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> bool:
+    """Whether the helpers rotate ``x`` as ``TorchOps.rope_`` would: an even head_dim, and cos/sin of x's dtype
+    (torch promotes bf16 x times fp32 cos to fp32 before rounding: other bits) with contiguous rows."""
+    num_tokens, _, head_dim = x.shape
+    return head_dim % 2 == 0 and all(t.dtype == x.dtype and t.shape == (num_tokens, 1, head_dim)
+                                     and t.stride(-1) == 1 for t in (cos, sin))
+
+
+def rope_block_heads(num_heads: int, head_dim: int) -> tuple[int, int]:
+    """(HALF_PAD, BLOCK_H) of a rope launch: the padded half head, and heads per program (about ROPE_TILE
+    elements, a power of two, no more than the heads there are)."""
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    return half_pad, min(triton.next_power_of_2(num_heads), max(1, ROPE_TILE // (2 * half_pad)))
 
 
 @triton.jit

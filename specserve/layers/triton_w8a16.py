@@ -325,8 +325,6 @@ def w8a16_linear(
     if m == 0:
         return out
     cfg = config or W8A16_TILES.lookup(m, n, k)
-    if cfg.prefetch not in (0, 1, 2):
-        raise ValueError(f"config.prefetch: {cfg.prefetch} is not 0, 1 or 2")
     block_m, block_n = _block_m(cfg, m), cfg.block_n
     fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
     block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K

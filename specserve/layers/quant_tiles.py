@@ -204,6 +204,16 @@ FUSE_FP8_ACT_QUANT = True
 # fp8_b1_fused_mlp_h100.json).
 FUSED_MLP_ONE_ROW: dict | None = None
 
+# L2 warm-up of the next projection's first weight bytes inside each window of short kernels of a decode layer
+# (layers/triton_prefetch.py), for steps of at most WEIGHT_PREFETCH_MAX_ROWS rows: window -> byte budget, or None
+# (off). Windows: "o" from the KV-cache write through attention, "gate_up" the post-attention norm, "down" the
+# SiLU-and-mul, "qkv" the input norm. Read at every layer call (models/llama.py), so set it before the engine captures
+# its CUDA graphs. WEIGHT_PREFETCH_BULK: cp.async.bulk.prefetch.L2 per 4 KiB chunk (True) or prefetch.global.L2 per
+# 128-byte line.
+WEIGHT_PREFETCH: dict[str, int] | None = None
+WEIGHT_PREFETCH_MAX_ROWS = 8
+WEIGHT_PREFETCH_BULK = True
+
 # bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row
 # buckets (an entry serves previous bucket < M <= bucket; the first serves BF16_GEMM_MIN_ROWS < M <= it) -> the
 # configuration, or None for cuBLAS. Shapes and row counts without an entry keep cuBLAS. Only shapes where

@@ -15,7 +15,6 @@ K/V must not be written (used by padded CUDA-graph batches).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,12 +81,10 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-        after_kv_write: Callable[[], object] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at ``meta.slot_mapping``, then attend. A backend whose ``fuses_rope``
         attribute is True also takes ``rope=(cos, sin)`` (each ``[num_tokens, 1, head_dim]``) and rotates q
-        and k in place first, as ``TorchOps.rope_`` would; the layer then skips its own rope op.
-        ``after_kv_write`` (if given) is called once, after the cache write and before attending."""
+        and k in place first, as ``TorchOps.rope_`` would; the layer then skips its own rope op."""
 
     def prepare_static(self, meta: AttentionMetadata, block_size: int, seq_lens: torch.Tensor,
                        query_len: int, num_splits: int | None = None) -> None:
@@ -219,7 +216,6 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-        after_kv_write: Callable[[], object] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         assert meta.extra is not None, "prepare() must run before forward()"
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -232,8 +228,6 @@ class TorchAttentionBackend:
         else:
             k_flat.index_copy_(0, meta.slot_mapping[write], k[write])
             v_flat.index_copy_(0, meta.slot_mapping[write], v[write])
-        if after_kv_write is not None:
-            after_kv_write()
 
         out = torch.empty_like(q)
         group: _PaddedGroup | None = meta.extra["group"]

@@ -13,7 +13,6 @@ cannot be built, and ``make_cpu_backend()`` then falls back to ``TorchAttentionB
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -67,7 +66,6 @@ class CpuPagedAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-        after_kv_write: Callable[[], object] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         extra = meta.extra
         assert extra is not None and "seq_lens" in extra, "prepare() must run before forward()"
@@ -78,8 +76,6 @@ class CpuPagedAttentionBackend:
         if k_cache.shape[1] != extra["block_size"]:
             raise ValueError(f"k_cache block_size {k_cache.shape[1]} != prepare()'s {extra['block_size']}")
         self._ext.write_kv(k, v, k_cache, v_cache, extra["slot_mapping"])
-        if after_kv_write is not None:
-            after_kv_write()
         scale = q.shape[-1] ** -0.5
         return self._ext.paged_attention(q, k_cache, v_cache, extra["block_tables"], extra["seq_lens"],
                                          extra["query_start_loc"], scale)

@@ -59,18 +59,6 @@ class TorchOps:
         return qk
 
 
-    @staticmethod
-    def prefetch_weights(
-        proj: torch.nn.Module,  # the projection whose GEMV comes next
-        num_rows: int,
-        window: str,  # "qkv" | "o" | "gate_up" | "down" (quant_tiles.WEIGHT_PREFETCH's keys)
-    ) -> int:
-        """Warm the L2 cache with ``proj``'s first weight bytes while the short kernels of ``window`` run (a
-        performance hint: results never change). Here nothing; ``TritonOps`` launches it
-        (``layers/triton_prefetch.py``). Returns the bytes asked for."""
-        return 0
-
-
 class CpuKernelOps(TorchOps):
     """Fused C++ kernels for fp32 on CPU; each replaces several tiny torch ops."""
 

@@ -141,6 +141,11 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # 3.754 -> 3.711 / 3.708 ms (x1.51 -> x1.53 over bf16), batch 8 4.283 / 4.218 -> 4.127 / 4.140, the 1-token
 # forward at batch 4 3.989 / 3.981 -> 3.936 / 3.934; batch 32 (and the 32-row verify) 2% slower, so rows 9 to 32
 # keep prefetch 0. Two tiles (prefetch 2) were slower at every batch, and so was EARLY_LAUNCH with or without it.
+# Warming the L2 instead, with a small kernel in each window of short kernels that asked for the next projection's
+# first weight bytes (cp.async.bulk.prefetch.L2 or prefetch.global.L2, budgets of 4-16 MiB a window or all of o_proj
+# during attention; commit abb23da, benchmarks/results/weight_prefetch_ab_h100.json), slowed every step on an H100:
+# FP8 b1 graph replay 3.309 -> 3.354 ms (o_proj only) to 3.578-3.693 (all four windows), bf16 5.258 -> 5.290-5.567,
+# b4 / b8 and the 8-token verify alike (logits equal bit for bit), so it was removed.
 # Same products, another fp32 sum order (the prefetched tile is added after the loop); the 32-row verify logits of
 # the prefetching table equalled the committed one's bit for bit in both runs (logits_vs_fp8 0.0). Rows 1-8 and
 # 9-32 thus sum in different orders, so a token's FP8 projections may differ in their last bits between a small
@@ -203,16 +208,6 @@ FUSE_FP8_ACT_QUANT = True
 # persistent_mlp_twobarrier_h100.json) and the whole b1 FP8 step with it on is slower (graph replay 4.13 vs 3.28 ms,
 # fp8_b1_fused_mlp_h100.json).
 FUSED_MLP_ONE_ROW: dict | None = None
-
-# L2 warm-up of the next projection's first weight bytes inside each window of short kernels of a decode layer
-# (layers/triton_prefetch.py), for steps of at most WEIGHT_PREFETCH_MAX_ROWS rows: window -> byte budget, or None
-# (off). Windows: "o" from the KV-cache write through attention, "gate_up" the post-attention norm, "down" the
-# SiLU-and-mul, "qkv" the input norm. Read at every layer call (models/llama.py), so set it before the engine captures
-# its CUDA graphs. WEIGHT_PREFETCH_BULK: cp.async.bulk.prefetch.L2 per 4 KiB chunk (True) or prefetch.global.L2 per
-# 128-byte line.
-WEIGHT_PREFETCH: dict[str, int] | None = None
-WEIGHT_PREFETCH_MAX_ROWS = 8
-WEIGHT_PREFETCH_BULK = True
 
 # bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row
 # buckets (an entry serves previous bucket < M <= bucket; the first serves BF16_GEMM_MIN_ROWS < M <= it) -> the

@@ -41,8 +41,6 @@ imported); that is how the unit tests check them against ``TorchAttentionBackend
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -563,12 +561,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin), each [num_tokens, 1, head_dim]
-        after_kv_write: Callable[[], object] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at ``meta.slot_mapping``, then attend. With ``rope``, q and k are rotated
         first (in place, as ``TorchOps.rope_`` rotates them), in the same launch as the cache write where the
-        layouts allow (``fuses_rope``). ``after_kv_write`` is called once the cache-write launch is queued and
-        before the attention launches (a layer warms its output projection's weights there)."""
+        layouts allow (``fuses_rope``)."""
         extra = meta.extra
         assert extra is not None and extra.get("backend") == "triton", "prepare() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
@@ -614,8 +610,6 @@ class TritonAttentionBackend:
                 num_heads, num_kv_heads,
                 HALF=head_dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h, KV_HEADS_PAD=_next_pow2(num_kv_heads),
                 BLOCK_SIZE=block_size, num_warps=4, enable_fp_fusion=False, **pdl_args(q.device))
-        if after_kv_write is not None:
-            after_kv_write()
 
         block_tables = extra["block_tables"]
         if extra["num_short"]:

@@ -116,17 +116,6 @@ def gemv_supported(
             and (bias is None or (bias.dtype == weight.dtype and bias.dim() == 1)))
 
 
-def gemv_plan(m: int, n: int, k: int, device: torch.device,
-              config: TileConfig | None = None) -> tuple[TileConfig, int, int, int, int]:
-    """``(config, block_m, block_k, split_k, k_per_split)`` of ``gemv_linear``'s launch for M rows of an (N, K)
-    weight: each program reads its weight rows from K offset ``split * k_per_split`` on."""
-    cfg = config or BF16_GEMV_TILES.lookup(m, n, k)
-    block_m = min(4, triton.next_power_of_2(m))
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    split, k_per_split = split_plan(cfg, k, block_k, triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n), device)
-    return cfg, block_m, block_k, split, k_per_split
-
-
 def gemv_linear(
     x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16
     weight: torch.Tensor,  # [out_features, in_features], x.dtype
@@ -152,9 +141,11 @@ def gemv_linear(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    cfg, block_m, block_k, split, k_per_split = gemv_plan(m, n, k, x.device, config)
-    block_n = cfg.block_n
+    cfg = config or BF16_GEMV_TILES.lookup(m, n, k)
+    block_m, block_n = min(4, triton.next_power_of_2(m)), cfg.block_n
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
     _gemv_kernel[(grid_n, grid_m, split)](
         x, weight, weight if bias is None else bias, out,

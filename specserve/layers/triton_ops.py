@@ -374,11 +374,6 @@ class TritonOps(TorchOps):
             return TorchOps.fused_add_rms_norm(x, residual, weight, eps)
         return self._launch_norm(x, residual, weight, eps)
 
-    @staticmethod
-    def prefetch_weights(proj, num_rows, window):  # noqa: D102 - as in TorchOps
-        from specserve.layers.triton_prefetch import prefetch_weights
-        return prefetch_weights(proj, num_rows, window)
-
     def silu_and_mul(
         self,
         gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate_size]

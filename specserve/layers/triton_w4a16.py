@@ -163,18 +163,6 @@ def _block_m(config: TileConfig, m: int) -> int:
     return config.block_m or max(16, triton.next_power_of_2(m))
 
 
-def w4a16_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
-               config: TileConfig | None = None) -> tuple[TileConfig, int, int, int, int]:
-    """``(config, block_m, block_k, split_k, k_per_split)`` of ``w4a16_linear``'s launch for M rows of an (N, K)
-    weight in groups of ``group_size``: each program reads the packed word rows from ``split * k_per_split / 8``
-    on."""
-    cfg = config or W4A16_TILES.lookup(m, n, k)
-    block_m = _block_m(cfg, m)
-    block_k = min(cfg.block_k, group_size)
-    split, k_per_split = split_plan(cfg, k, block_k, triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n), device)
-    return cfg, block_m, block_k, split, k_per_split
-
-
 def w4a16_linear(
     x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16 / fp32
     qweight: torch.Tensor,  # [in_features // 8, out_features] int32
@@ -203,9 +191,10 @@ def w4a16_linear(
         cfg = dataclasses.replace(cfg, block_m=block[0], block_n=block[1], block_k=block[2], use_dot=True)
     if split_k is not None:
         cfg = dataclasses.replace(cfg, split_k=split_k)
-    cfg, block_m, block_k, split, k_per_split = w4a16_plan(m, n, k, group_size, x.device, cfg)
-    block_n = cfg.block_n
+    block_m, block_n = _block_m(cfg, m), cfg.block_n
+    block_k = min(cfg.block_k, group_size)
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 activations: no TF32 rounding
     _w4a16_kernel[(grid_n, grid_m, split)](

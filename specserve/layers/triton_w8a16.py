@@ -291,19 +291,6 @@ def _block_m(config: TileConfig, m: int) -> int:
     return config.block_m or max(16, triton.next_power_of_2(m))
 
 
-def w8a16_plan(m: int, n: int, k: int, device: torch.device, config: TileConfig | None = None,
-               x_mode: int = 2) -> tuple[TileConfig, int, int, bool, int, int]:
-    """``(config, block_m, block_k, fp8_dot, split_k, k_per_split)`` of ``w8a16_linear``'s launch for M rows of
-    an (N, K) weight (``x_mode``: ``ACT_QUANT_MODES``' value; 2 = e4m3 activations): each program reads its
-    weight rows from K offset ``split * k_per_split`` on."""
-    cfg = config or W8A16_TILES.lookup(m, n, k)
-    block_m = _block_m(cfg, m)
-    fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
-    block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K
-    split, k_per_split = split_plan(cfg, k, block_k, triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n), device)
-    return cfg, block_m, block_k, fp8_dot, split, k_per_split
-
-
 def w8a16_linear(
     x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16 / fp32
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
@@ -337,9 +324,12 @@ def w8a16_linear(
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg, block_m, block_k, fp8_dot, split, k_per_split = w8a16_plan(m, n, k, x.device, config, x_mode)
-    block_n = cfg.block_n
+    cfg = config or W8A16_TILES.lookup(m, n, k)
+    block_m, block_n = _block_m(cfg, m), cfg.block_n
+    fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
+    block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
     w_scale = weight_scale.reshape(-1)
     if not w_scale.is_contiguous():

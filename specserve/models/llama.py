@@ -68,13 +68,11 @@ class Attention(nn.Module):
             qk = torch.cat([q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)], dim=1)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, d)
-        # o_proj's weights are warmed in L2 from the KV write on, while attention runs (TritonOps, small steps)
-        warm = {"after_kv_write": lambda: self.ops.prefetch_weights(self.o_proj, n, "o")}
         if getattr(backend, "fuses_rope", False):  # rotates q and k in its cache-write launch
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, rope=cos_sin, **warm)  # [n, h, d]
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, rope=cos_sin)  # [n, h, d]
         else:
             self.ops.rope_(qk, *cos_sin)
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, **warm)  # [n, h, d]
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -127,11 +125,8 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         if fuse_fp8_input(self.down_proj, self.ops, "silu_and_mul_fp8"):
-            h = self.ops.silu_and_mul_fp8(gate_up)
-        else:
-            h = self.ops.silu_and_mul(gate_up)
-        self.ops.prefetch_weights(self.down_proj, gate_up.shape[0], "down")  # while SiLU-and-mul runs
-        return self.down_proj(h)
+            return self.down_proj(self.ops.silu_and_mul_fp8(gate_up))
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -165,8 +160,6 @@ class DecoderLayer(nn.Module):
             h = ops.fused_add_rms_norm_fp8(x, residual, ln1.weight, ln1.eps)
         else:
             h = ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
-        # each projection's first weight bytes are warmed in L2 while the norm before it runs (TritonOps, small steps)
-        ops.prefetch_weights(self.self_attn.qkv_proj, x.shape[0], "qkv")
         h = self.self_attn(h, cos_sin, kv_cache, meta, backend)
         fused = self.mlp.fused_one_row(h, residual, ln2)
         if fused is not None:
@@ -175,7 +168,6 @@ class DecoderLayer(nn.Module):
             h = ops.fused_add_rms_norm_fp8(h, residual, ln2.weight, ln2.eps)
         else:
             h = ops.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps)
-        ops.prefetch_weights(self.mlp.gate_up_proj, x.shape[0], "gate_up")
         return self.mlp(h), residual
 
 

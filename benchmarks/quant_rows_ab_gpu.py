@@ -18,6 +18,10 @@ above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, 
   ``fp8`` was today's ``fp8_pf0`` and ``fp8_pf1`` had 1 at every row count as here);
 - ``..._early`` (``fp8_early``, ``fp8_pf2_early``): the same with ``triton_pdl.EARLY_LAUNCH`` (each kernel lets
   the next one launch before it waits, so the next one's programs are resident, and prefetching, sooner).
+- ``int4_noahead``: the INT4 tables with ``triton_w4a16.OPERANDS_AHEAD_MAX_ROWS`` 0 (the tensor-core path loads
+  each K tile's activations, scales and zeros inside the step that uses them, as before stop 39; the committed
+  ``int4`` loads them a step ahead in tiles of up to 16 rows). ``int4_ahead_ab_h100_run1/2.json`` were taken with
+  the lookahead at every tile size and on the GEMV path too (``int4`` there), whence today's limit.
 
 (Stop 37 also timed ``int4_nib64`` / ``int4_nib128``, a W4A16 form with one MMA per nibble position, in
 ``quant_rows_ab_int4_h100.json``: x0.26-0.99 of the committed INT4 step at batch 8-32, so it was removed.)
@@ -47,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from specserve.layers import quant_tiles, triton_pdl  # noqa: E402
+from specserve.layers import quant_tiles, triton_pdl, triton_w4a16  # noqa: E402
 from specserve.layers.quant_tiles import TileConfig  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
@@ -69,6 +73,7 @@ VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
     "fp8_pf1": ({8: _DOT_PF1, 32: _DOT_PF1}, None),
     "fp8_pf2": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
     "fp8_pf2_early": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
+    "int4_noahead": ({}, None),
 }
 METHODS = ("bf16", "fp8", "int4", *VARIANTS, "fp8_early")
 
@@ -92,6 +97,7 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     saved_max = quant_tiles.W8A16_MAX_ROWS
     quant_tiles.W8A16_MAX_ROWS = max_rows
     triton_pdl.EARLY_LAUNCH = method.endswith("_early")  # read at every launch; the graphs capture it
+    triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 0 if method.endswith("_noahead") else 16
     t0 = time.perf_counter()
     try:
         # the tables hold until this method's engine is gone: its CUDA graphs capture the launches
@@ -127,6 +133,7 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     finally:
         quant_tiles.W8A16_MAX_ROWS = saved_max
         triton_pdl.EARLY_LAUNCH = False
+        triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 16
         ge.free(device)
     result["seconds"] = time.perf_counter() - t0
     print(method, json.dumps(result), flush=True)

@@ -19,7 +19,9 @@ Two ways to multiply, chosen per row bucket in ``layers/quant_tiles.py``:
   activation dtype first, as ``int4_linear_reference`` does; the GEMV's result is at least as accurate).
 - tensor cores (``use_dot=True``): the 8 nibbles of the word tile unpacked into a ``[BLOCK_K // 8, 8, BLOCK_N]``
   tensor, reshaped to ``[BLOCK_K, BLOCK_N]`` (row ``8 * i + j``), rounded to the activation dtype and fed to
-  ``tl.dot`` with an fp32 accumulator; Triton pipelines the word loads (``num_stages``).
+  ``tl.dot`` with an fp32 accumulator; Triton pipelines the word loads (``num_stages``), and tiles of up to
+  ``OPERANDS_AHEAD_MAX_ROWS`` rows load the activations, scales and zeros of the next K tile while they work on
+  this one (``AHEAD``: the same values, so the same bits).
 
 With few output tiles (decode sizes), K is split across programs and the partial sums are reduced inside the
 same launch (``layers/triton_splitk.py``): no second kernel, deterministic. Bias and the cast to the output
@@ -40,6 +42,16 @@ from specserve.layers.quant_tiles import W4A16_TILES, TileConfig
 from specserve.layers.triton_pdl import pdl_args, pdl_begin
 from specserve.layers.triton_splitk import pick_rows, split_buffers, split_plan, splitk_reduce
 
+# Tensor-core tiles of at most this many rows load each K tile's activations, scales and zeros one loop step ahead
+# (``AHEAD``; 0: never; read at every call, a CUDA graph keeps what it captured). Triton pipelines the packed weight
+# words through shared memory but issues those three loads inside the step that uses them, so every K step waits
+# a memory round trip. Whole INT4 engine steps on an H100, two runs (benchmarks/quant_rows_ab_gpu.py, methods int4
+# and int4_noahead; benchmarks/results/int4_ahead_ab_h100_run1/2.json), 16-row tiles: decode batch 8 5.53 / 5.57 ->
+# 5.34 / 5.34 ms, batch 16 5.75 -> 5.52, a 1-token forward at batch 4 5.84 / 5.53 -> 5.42 / 5.31, an 8-token
+# verify at batch 2 (16 rows) 5.89 -> 5.61; logits equal bit for bit. 32-row tiles lost (batch 32 decode +1.4% in
+# run 2, the 32-row verify at batch 4 7.45 / 7.15 -> 7.79 / 7.53 ms), and so did the GEMV path (batch 1) with its
+# words, scales and zeros a step ahead (3.25 / 3.29 -> 3.38 / 3.39 ms): both load in-step.
+OPERANDS_AHEAD_MAX_ROWS = 16
 _MAGIC_BITS = 0x4B000000  # the bits of the float 2^23: OR-ing a 4-bit q into them gives 2^23 + q
 _TWO_23 = tl.constexpr(8388608.0)
 
@@ -70,6 +82,7 @@ def _w4a16_kernel(
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
+    AHEAD: tl.constexpr = False,  # tensor cores: load each K tile's activations, scales, zeros a step early
 ):
     pdl_begin(USE_PDL)
     pid_n = tl.program_id(0)
@@ -86,16 +99,36 @@ def _w4a16_kernel(
     if USE_DOT:
         shifts = tl.arange(0, 8) * 4  # bit offset of nibble j
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        a_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+        offs_kb = tl.arange(0, BLOCK_K)
+        s_ptrs = scales_ptr + offs_n * stride_sn  # [BLOCK_N], group 0
+        z_ptrs = zeros_ptr + offs_n * stride_sn
+        if AHEAD:  # the first K tile's activations, scales and zeros (see the loop)
+            s_next = tl.load(s_ptrs + (k_lo // GROUP_SIZE) * stride_sg, mask=n_mask, other=0.0)
+            z_next = tl.load(z_ptrs + (k_lo // GROUP_SIZE) * stride_sg, mask=n_mask, other=0.0)
+            a_next = tl.load(a_rows + (k_lo + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             words = tl.load(q_cols + (k0 // 8 + offs_w)[:, None] * stride_qk, mask=n_mask[None, :], other=0)
-            g = k0 // GROUP_SIZE
-            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            if AHEAD:
+                # This tile's small operands were loaded one step earlier; the next tile's are loaded now, so their
+                # round trip overlaps this tile's dequantization and MMA (Triton pipelines only the word loads).
+                s, z, a = s_next, z_next, a_next
+                k1 = k0 + BLOCK_K
+                more = k1 < k_hi
+                s_next = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg, mask=n_mask & more, other=0.0)
+                z_next = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg, mask=n_mask & more, other=0.0)
+                a_next = tl.load(a_rows + (k1 + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None] & more,
+                                 other=0.0)
+            else:
+                g = k0 // GROUP_SIZE
+                s = tl.load(s_ptrs + g * stride_sg, mask=n_mask, other=0.0)
+                z = tl.load(z_ptrs + g * stride_sg, mask=n_mask, other=0.0)
+                a = tl.load(a_rows + (k0 + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None],
+                            other=0.0)  # [BLOCK_M, BLOCK_K]
+            s = s.to(tl.float32)
+            z = z.to(tl.float32)
             q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | magic  # [BLOCK_K // 8, 8, BLOCK_N]
             w = (q.to(tl.float32, bitcast=True) - (z + _TWO_23)[None, None, :]) * s[None, None, :]
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_mask[:, None],
-                        other=0.0)  # [BLOCK_M, BLOCK_K]
             w = tl.reshape(w.to(a.dtype), (BLOCK_K, BLOCK_N))  # row 8 * i + j = weight row k0 + 8 * i + j
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     else:
@@ -203,8 +236,9 @@ def w4a16_linear(
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         out.stride(0), out.stride(1), _MAGIC_BITS,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(x.device),
+        SPLIT_K=split, USE_DOT=cfg.use_dot, PRECISION=precision,
+        AHEAD=cfg.use_dot and block_m <= OPERANDS_AHEAD_MAX_ROWS,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out
 

@@ -127,6 +127,21 @@ def test_w4a16_kernel_tilings_and_splits(w4a16, split_k: int, block) -> None:
     _assert_close_to_reference(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("m, split_k, block",
+                         [(5, 1, None), (17, 2, None), (5, 5, (16, 32, 32)), (40, 1, (32, 32, 64))])
+def test_w4a16_operands_ahead_change_no_bit(w4a16, monkeypatch, m: int, split_k: int, block) -> None:
+    # Loading each K tile's activations, scales and zeros a loop step early (tiles of up to OPERANDS_AHEAD_MAX_ROWS
+    # rows) is the same maths: equal bits to the in-step loads, over ragged splits (5 of 10 K tiles: the last
+    # split's lookahead is masked), whatever the tile's rows.
+    x, qweight, scales, zeros = _int4_case(m, 80, 320, 64, torch.bfloat16, seed=m)
+    outs = []
+    for limit in (0, 64):
+        monkeypatch.setattr(w4a16, "OPERANDS_AHEAD_MAX_ROWS", limit)
+        outs.append(w4a16.w4a16_linear(x, qweight, scales, zeros, split_k=split_k, block=block))
+    assert torch.equal(outs[0], outs[1])
+    _assert_close_to_reference(outs[1], int4_linear_reference(x, qweight, scales, zeros, None), torch.bfloat16)
+
+
 def test_w4a16_kernel_strided_activations(w4a16) -> None:
     x, qweight, scales, zeros = _int4_case(7, 64, 128, 128, torch.float32)
     wide = torch.cat([x, torch.randn_like(x)], dim=1)[:, :128]  # row stride 256

@@ -94,10 +94,10 @@ def tables(method: str) -> tuple[dict, int]:
 def run_method(method: str, config, args, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
     """(timings, {verify batch: logits [batch * 8, vocab] on the CPU}) of ``method``."""
     by_rows, max_rows = tables(method)
-    saved_max = quant_tiles.W8A16_MAX_ROWS
+    saved_max, saved_ahead = quant_tiles.W8A16_MAX_ROWS, triton_w4a16.OPERANDS_AHEAD_MAX_ROWS
     quant_tiles.W8A16_MAX_ROWS = max_rows
     triton_pdl.EARLY_LAUNCH = method.endswith("_early")  # read at every launch; the graphs capture it
-    triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 0 if method.endswith("_noahead") else 16
+    triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 0 if method.endswith("_noahead") else saved_ahead
     t0 = time.perf_counter()
     try:
         # the tables hold until this method's engine is gone: its CUDA graphs capture the launches
@@ -133,7 +133,7 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     finally:
         quant_tiles.W8A16_MAX_ROWS = saved_max
         triton_pdl.EARLY_LAUNCH = False
-        triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 16
+        triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = saved_ahead
         ge.free(device)
     result["seconds"] = time.perf_counter() - t0
     print(method, json.dumps(result), flush=True)

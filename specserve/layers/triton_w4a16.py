@@ -67,6 +67,26 @@ def _x_nibble(
 
 
 @triton.jit
+def _dot_operands(
+    s_ptrs,  # [BLOCK_N] pointers to group 0's scales of the tile's columns
+    z_ptrs,  # [BLOCK_N] pointers to group 0's zeros
+    a_rows,  # [BLOCK_M, 1] pointers to the tile's activation rows at K = 0
+    k,  # first K of the tile
+    n_ok,  # [BLOCK_N] columns to load
+    m_ok,  # [BLOCK_M] rows to load
+    stride_sg, stride_xk,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The tensor-core path's small operands of the K tile at ``k``: its group's scales and zeros ``[BLOCK_N]``
+    and the activations ``[BLOCK_M, BLOCK_K]`` (zeros where masked off)."""
+    g = k // GROUP_SIZE
+    s = tl.load(s_ptrs + g * stride_sg, mask=n_ok, other=0.0)
+    z = tl.load(z_ptrs + g * stride_sg, mask=n_ok, other=0.0)
+    a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+    return s, z, a
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,  # [M, K] activations (bf16 / fp16 / fp32)
     qweight_ptr,  # [K // 8, N] int32
@@ -100,13 +120,11 @@ def _w4a16_kernel(
         shifts = tl.arange(0, 8) * 4  # bit offset of nibble j
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
-        offs_kb = tl.arange(0, BLOCK_K)
         s_ptrs = scales_ptr + offs_n * stride_sn  # [BLOCK_N], group 0
         z_ptrs = zeros_ptr + offs_n * stride_sn
         if AHEAD:  # the first K tile's activations, scales and zeros (see the loop)
-            s_next = tl.load(s_ptrs + (k_lo // GROUP_SIZE) * stride_sg, mask=n_mask, other=0.0)
-            z_next = tl.load(z_ptrs + (k_lo // GROUP_SIZE) * stride_sg, mask=n_mask, other=0.0)
-            a_next = tl.load(a_rows + (k_lo + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+            s_next, z_next, a_next = _dot_operands(s_ptrs, z_ptrs, a_rows, k_lo, n_mask, m_mask, stride_sg,
+                                                   stride_xk, GROUP_SIZE, BLOCK_K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             words = tl.load(q_cols + (k0 // 8 + offs_w)[:, None] * stride_qk, mask=n_mask[None, :], other=0)
             if AHEAD:
@@ -115,16 +133,11 @@ def _w4a16_kernel(
                 s, z, a = s_next, z_next, a_next
                 k1 = k0 + BLOCK_K
                 more = k1 < k_hi
-                s_next = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg, mask=n_mask & more, other=0.0)
-                z_next = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg, mask=n_mask & more, other=0.0)
-                a_next = tl.load(a_rows + (k1 + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None] & more,
-                                 other=0.0)
+                s_next, z_next, a_next = _dot_operands(s_ptrs, z_ptrs, a_rows, k1, n_mask & more, m_mask & more,
+                                                       stride_sg, stride_xk, GROUP_SIZE, BLOCK_K)
             else:
-                g = k0 // GROUP_SIZE
-                s = tl.load(s_ptrs + g * stride_sg, mask=n_mask, other=0.0)
-                z = tl.load(z_ptrs + g * stride_sg, mask=n_mask, other=0.0)
-                a = tl.load(a_rows + (k0 + offs_kb)[None, :] * stride_xk, mask=m_mask[:, None],
-                            other=0.0)  # [BLOCK_M, BLOCK_K]
+                s, z, a = _dot_operands(s_ptrs, z_ptrs, a_rows, k0, n_mask, m_mask, stride_sg, stride_xk,
+                                        GROUP_SIZE, BLOCK_K)
             s = s.to(tl.float32)
             z = z.to(tl.float32)
             q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | magic  # [BLOCK_K // 8, 8, BLOCK_N]

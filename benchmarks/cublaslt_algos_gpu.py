@@ -1,0 +1,323 @@
+"""Every cuBLASLt algorithm that its heuristic offers for the Llama-3.1-8B step GEMMs at decode (32 rows: batch 32)
+and verify (256 rows: batch 32 x 8 query tokens) shapes, timed against the cuBLAS call torch makes, side by side in
+one run (GPU machine, not CI).
+
+Why: issue 6's verify8_vs_decode_b32 is 1.44 on the H200 (bar 1.40) and the verify step is GEMM-bound. At 256 rows
+cuBLAS runs gate_up as 224 tiles of 256x128 on 132 SMs (1.7 waves: 85% of the SMs busy in the second), and qkv and
+o_proj at 510-585 TFLOP/s. torch asks cuBLAS for its heuristic's first choice only; cuBLASLt's heuristic offers
+more candidates (other tiles, split-K and reduction schemes, cluster shapes). Our own Triton GEMMs, stream-K
+included, lost to cuBLAS at these shapes (triton_gemm_*gpu.json), and torch's BLAS settings moved decode and verify
+alike (verify_gemm_gpu.json). This asks whether another cuBLASLt candidate wins.
+
+How: each (shape, rows) problem is posed to cuBLASLt as torch poses it to cuBLAS (``LtProblem``: column-major,
+op_T on the weight, fp32 accumulation) through nvmath-python's low-level cuBLASLt bindings (NVIDIA's; carried as a
+wheel to the GPU machine), and its heuristic asked for up to ``--limit`` candidates. Each candidate is timed as raw
+``cublasLtMatmul`` calls captured in a CUDA graph (the way the engine replays its steps): ``--reps`` passes over
+several weight copies (>= 400 MB in all, so weights stream from HBM as in a forward), median of 5 replays, per
+call. torch's call (``F.linear``; for the LM head ``torch.mm(out_dtype=float32)``, as ``dense_linear`` calls them)
+is timed the same way in the same process. Each candidate's output is compared with torch's.
+
+    python benchmarks/cublaslt_algos_gpu.py --out $OUT/cublaslt_algos_gpu.json
+
+Asserts nothing; prints a table per problem and writes JSON (per candidate: id, tile, stages, split-K, reduction
+scheme, cluster shape, the heuristic's waves estimate, microseconds, error against torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks.gpu_engine as ge  # noqa: E402
+
+# (name, out_features, in_features, float32 output): Llama-3.1-8B
+SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
+          ("down", 4096, 14336, False), ("lm_head", 128256, 4096, True))
+PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+
+
+def time_calls(calls: list, reps: int) -> float:
+    """Seconds per call: a CUDA graph of ``reps`` passes over ``calls`` (ge.graph_time_s)."""
+    def body() -> None:
+        for _ in range(reps):
+            for call in calls:
+                call()
+    return ge.graph_time_s(body) / (reps * len(calls))
+
+
+CONFIG_FIELDS = ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CTA_SWIZZLING", "CUSTOM_OPTION",
+                 "INNER_SHAPE_ID", "CLUSTER_SHAPE_ID")
+WORKSPACE_BYTES = 32 << 20
+
+
+class LtProblem:
+    """``x @ w.T`` posed to cuBLASLt the way torch poses it to cuBLAS: column-major operands, D^T [N, M] = op_T(A)
+    @ B with A = ``w`` read as a column-major [K, N] matrix (transposed by the op) and B = ``x`` read as a
+    column-major [K, M] matrix, so that D^T column-major is ``x @ w.T`` row-major; fp32 accumulation and scales.
+
+    Worked example (M = 2, N = 3, K = 4): ``w`` row-major [3, 4] is the column-major [4, 3] matrix W^T (column j =
+    row j of ``w``); op_T makes it W [3, 4]; ``x`` row-major [2, 4] is the column-major [4, 2] matrix x^T; W @ x^T
+    is [3, 2] column-major, whose memory is the row-major [2, 3] matrix x @ W^T."""
+
+    def __init__(self, m: int, n: int, k: int, float_out: bool, limit: int) -> None:
+        import numpy as np
+        from nvmath.bindings import cublas
+        from nvmath.bindings import cublasLt as lt
+        self.lt, self.np = lt, np
+        bf16, f32 = 14, 0  # cudaDataType CUDA_R_16BF, CUDA_R_32F
+        self.handle = lt.create()
+        self.desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), f32)
+        self._transa = np.array([int(cublas.Operation.T)], dtype=np.int32)
+        lt.matmul_desc_set_attribute(self.desc, int(lt.MatmulDescAttribute.TRANSA), self._transa.ctypes.data, 4)
+        self.a_layout = lt.matrix_layout_create(bf16, k, n, k)
+        self.b_layout = lt.matrix_layout_create(bf16, k, m, k)
+        self._d_type = f32 if float_out else bf16
+        self.d_layout = lt.matrix_layout_create(self._d_type, n, m, n)
+        self.pref = lt.matmul_preference_create()
+        self._ws = np.array([WORKSPACE_BYTES], dtype=np.uint64)
+        lt.matmul_preference_set_attribute(self.pref, int(lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES),
+                                           self._ws.ctypes.data, 8)
+        self.results = np.zeros(limit, dtype=lt.matmul_heuristic_result_dtype)
+        count = np.zeros(1, dtype=np.int32)
+        lt.matmul_algo_get_heuristic(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
+                                     self.d_layout, self.pref, limit, self.results.ctypes.data, count.ctypes.data)
+        self.count = int(count[0])
+        self.alpha = np.array([1.0], dtype=np.float32)
+        self.beta = np.array([0.0], dtype=np.float32)
+
+    def algo_ptr(self, i: int) -> int:
+        return self.results.ctypes.data + i * self.results.dtype.itemsize + self.results.dtype.fields["algo"][1]
+
+    def describe(self, i: int) -> dict:
+        """Candidate ``i``'s configuration (algorithm id, tile, stages, split-K, ...) and the heuristic's
+        workspace and waves estimates."""
+        lt, np = self.lt, self.np
+        out = {"workspace_size": int(self.results[i]["workspace_size"]),
+               "waves_count": float(self.results[i]["waves_count"]), "state": int(self.results[i]["state"])}
+        for name in CONFIG_FIELDS:
+            try:
+                attr = int(getattr(lt.MatmulAlgoConfigAttribute, name))
+                buf = np.zeros(1, dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
+                written = np.zeros(1, dtype=np.uint64)
+                lt.matmul_algo_config_get_attribute(self.algo_ptr(i), attr, buf.ctypes.data, buf.itemsize,
+                                                    written.ctypes.data)
+                out[name.lower()] = int(buf[0])
+            except Exception as exc:  # noqa: BLE001 - an attribute this cuBLASLt lacks
+                out[name.lower()] = f"{type(exc).__name__}"
+        return out
+
+    def call(self, i: int, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, workspace: torch.Tensor):
+        """A no-argument raw ``cublasLtMatmul`` with candidate ``i`` of ``x @ w.T`` into ``d`` ([M, N] row-major),
+        on the current torch stream (so that a CUDA graph captures it)."""
+        ws_size = int(self.results[i]["workspace_size"])
+        algo = self.algo_ptr(i)
+
+        def run() -> None:
+            self.lt.matmul(self.handle, self.desc, self.alpha.ctypes.data, w.data_ptr(), self.a_layout, x.data_ptr(),
+                           self.b_layout, self.beta.ctypes.data, d.data_ptr(), self.d_layout, d.data_ptr(),
+                           self.d_layout, algo, workspace.data_ptr(), ws_size, torch.cuda.current_stream().cuda_stream)
+        return run
+
+    def search(self, heuristic_tiles: set[int], max_timed: int) -> list[dict]:
+        """Configurations of the heuristic's algorithm(s) beyond its candidates: every tile of each algorithm id
+        the heuristic used x cluster shape x custom option (split-K 1, the heuristic's stage id), kept when
+        ``cublasLtMatmulAlgoCheck`` accepts it; up to ``max_timed`` of them, those whose waves use the SMs best
+        first (tiles the heuristic offered for any problem first among equals). Appended after the heuristic's
+        candidates (``results``), so ``call`` and ``describe`` take their indices too."""
+        lt, np = self.lt, self.np
+        from nvmath.bindings import cublas
+        bf16 = 14
+        d_type = self._d_type
+        ids = sorted({int(self.describe(i)["id"]) for i in range(self.count)})
+        stages = int(self.describe(0)["stages_id"]) if self.count else 0
+        found = []
+        check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        for algo_id in ids:
+            base = np.zeros(1, dtype=lt.matmul_algo_dtype)
+            lt.matmul_algo_init(self.handle, int(cublas.ComputeType.COMPUTE_32F), 0, bf16, bf16, d_type, d_type,
+                                algo_id, base.ctypes.data)
+            tiles = self._cap_array(base, "TILE_IDS")
+            co_max = int(self._cap_array(base, "CUSTOM_OPTION_MAX")[0]) if self._cap_array(base, "CUSTOM_OPTION_MAX") \
+                else 0
+            for tile in tiles:
+                for cluster in (0, 2, 3, 4, 5, 6, 7, 9):
+                    for co in range(co_max + 1):
+                        algo = base.copy()
+                        for name, value in (("TILE_ID", tile), ("STAGES_ID", stages), ("SPLITK_NUM", 1),
+                                            ("CLUSTER_SHAPE_ID", cluster), ("CUSTOM_OPTION", co)):
+                            attr = int(getattr(lt.MatmulAlgoConfigAttribute, name))
+                            buf = np.array([value], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
+                            lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
+                        try:
+                            lt.matmul_algo_check(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
+                                                 self.d_layout, algo.ctypes.data, check.ctypes.data)
+                        except Exception:  # noqa: BLE001, S112 - not supported for this problem
+                            continue
+                        waves = float(check[0]["waves_count"])
+                        if waves <= 0 or int(check[0]["workspace_size"]) > WORKSPACE_BYTES:
+                            continue
+                        efficiency = waves / np.ceil(waves)
+                        found.append((-efficiency, int(tile) not in heuristic_tiles, len(found), algo, check.copy()))
+        found.sort(key=lambda f: f[:3])
+        chosen = found[:max_timed]
+        extra = np.zeros(self.count + len(chosen), dtype=lt.matmul_heuristic_result_dtype)
+        extra[:self.count] = self.results[:self.count]
+        for j, (_, _, _, algo, res) in enumerate(chosen):
+            extra[self.count + j] = res[0]
+            extra[self.count + j]["algo"] = algo[0]
+        self.results = extra
+        self.searched = {"configs_accepted": len(found), "timed": len(chosen)}
+        return [self.describe(self.count + j) for j in range(len(chosen))]
+
+    def _cap_array(self, algo, name: str):
+        lt, np = self.lt, self.np
+        attr = int(getattr(lt.MatmulAlgoCapAttribute, name))
+        dt = np.dtype(lt.get_matmul_algo_cap_attribute_dtype(attr))
+        written = np.zeros(1, dtype=np.uint64)
+        lt.matmul_algo_cap_get_attribute(algo.ctypes.data, attr, 0, 0, written.ctypes.data)
+        n = max(int(written[0]) // dt.itemsize, 1)
+        buf = np.zeros(n, dtype=dt)
+        lt.matmul_algo_cap_get_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.nbytes, written.ctypes.data)
+        return [int(v) for v in buf[:int(written[0]) // dt.itemsize]]
+
+    def free(self) -> None:
+        lt = self.lt
+        lt.matmul_preference_destroy(self.pref)
+        for layout in (self.a_layout, self.b_layout, self.d_layout):
+            lt.matrix_layout_destroy(layout)
+        lt.matmul_desc_destroy(self.desc)
+        lt.destroy(self.handle)
+
+
+def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int,
+            limit: int, search_max: int = 0, tiles_seen: set[int] | None = None) -> dict:
+    """Time torch's call and every cuBLASLt candidate for ``x [m, k] @ w.T`` (``w`` [n, k]); with ``search_max``,
+    also up to that many configurations beyond the heuristic's (``LtProblem.search``)."""
+    dtype = torch.bfloat16
+    copies = max(1, -(-400_000_000 // (n * k * 2)))
+    gen = torch.Generator(device=device).manual_seed(n + k + m)
+    weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+
+    def torch_call(w):
+        return (lambda: torch.mm(x, w.t(), out_dtype=torch.float32)) if float_out else (lambda: F.linear(x, w))
+
+    row = {"name": name, "n": n, "k": k, "m": m, "copies": copies, "float_out": float_out}
+    row["torch_us"] = time_calls([torch_call(w) for w in weights], reps) * 1e6
+    ref = torch_call(weights[-1])().float()
+    lt = LtProblem(m, n, k, float_out, limit)
+    row["num_candidates"] = lt.count
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    d = torch.empty(m, n, device=device, dtype=torch.float32 if float_out else dtype)
+    cands = []
+    tiles_seen = set() if tiles_seen is None else tiles_seen
+    tiles_seen |= {int(lt.describe(i)["tile_id"]) for i in range(lt.count)}
+    indices = list(range(lt.count))
+    if search_max > 0:
+        try:
+            lt.search(tiles_seen, search_max)
+            row["search"] = lt.searched
+            indices += list(range(lt.count, len(lt.results)))
+        except Exception as exc:  # noqa: BLE001 - keep the heuristic's candidates
+            row["search_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for rank in indices:
+        entry = {"rank": rank, "source": "heuristic" if rank < lt.count else "search"} | lt.describe(rank)
+        try:
+            entry["us"] = time_calls([lt.call(rank, x, w, d, workspace) for w in weights], reps) * 1e6
+            got = d.float()  # the last call's product: weights[-1]
+            entry["max_abs_err_vs_torch"] = (got - ref).abs().max().item()
+            entry["ref_max_abs"] = ref.abs().max().item()
+        except Exception as exc:  # noqa: BLE001 - record it, time the others
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        cands.append(entry)
+    row["candidates"] = cands
+    timed = [c for c in cands if "us" in c]
+    if timed:
+        best = min(timed, key=lambda c: c["us"])
+        row["best"] = best
+        row["best_vs_torch"] = row["torch_us"] / best["us"]
+        row["heuristic_first_us"] = timed[0]["us"] if timed[0]["rank"] == 0 else None
+        flop = 2 * m * n * k
+        row["tflop_s"] = {"torch": flop / row["torch_us"] / 1e6, "best": flop / best["us"] / 1e6}
+    lt.free()
+    del weights, workspace, d
+    ge.free(device)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="32,256")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--limit", type=int, default=64, help="candidates asked of the cuBLASLt heuristic")
+    ap.add_argument("--search-max", type=int, default=0,
+                    help="also time up to this many configurations beyond the heuristic's (LtProblem.search)")
+    ap.add_argument("--search-problems", default="qkv.256,o.256,gate_up.256,down.256",
+                    help="name.rows problems that get the search")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    import nvmath
+    from nvmath.bindings import cublasLt
+    data: dict = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(device),
+                  "torch": torch.__version__, "cuda": torch.version.cuda, "nvmath": nvmath.__version__,
+                  "cublaslt_version": cublasLt.get_version(),
+                  "torch_blas": str(torch.backends.cuda.preferred_blas_library()),
+                  "allow_bf16_reduced_precision_reduction":
+                      torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                  "definitions": {
+                      "torch_us / us": "microseconds per call inside a CUDA graph of --reps passes over weight "
+                                       "copies (>= 400 MB in all: HBM, not L2), median of 5 replays",
+                      "rank": "the candidate's place in the cuBLASLt heuristic's order (0 = its first choice)",
+                      "step_ms": "sum over one step's GEMMs (32 layers x qkv, o, gate_up, down + the LM head)"},
+                  "problems": [], "errors": {}}
+    rows = [int(r) for r in args.rows.split(",")]
+    tiles_seen: set[int] = set()
+    wanted = set(args.shapes.split(","))
+    for m in rows:
+        for name, n, k, float_out in SHAPES:
+            if name not in wanted:
+                continue
+            try:
+                search = args.search_max if f"{name}.{m}" in args.search_problems.split(",") else 0
+                r = problem(name, n, k, float_out, m, device, args.reps, args.limit, search, tiles_seen)
+            except Exception as exc:  # noqa: BLE001 - one problem's failure must not lose the others
+                data["errors"][f"{name}.m{m}"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                print(f"{name} m={m}: {data['errors'][f'{name}.m{m}']}", flush=True)
+                continue
+            data["problems"].append(r)
+            b = r.get("best", {})
+            print(f"{name:8s} m={m:3d}: torch {r['torch_us']:8.1f} us; {r['num_candidates']:2d} cuBLASLt candidates,"
+                  f" first {r.get('heuristic_first_us') or float('nan'):8.1f} us, best {b.get('us', float('nan')):8.1f}"
+                  f" us (x{r.get('best_vs_torch', float('nan')):.3f}; rank {b.get('rank')}, id {b.get('id')}, tile"
+                  f" {b.get('tile_id')}, split_k {b.get('splitk_num')}, waves {b.get('waves_count')},"
+                  f" err {b.get('max_abs_err_vs_torch')})", flush=True)
+    steps = {}
+    for m in rows:
+        got = {r["name"]: r for r in data["problems"] if r["m"] == m}
+        if set(got) == {s[0] for s in SHAPES}:
+            steps[str(m)] = {
+                "torch_ms": sum(PER_STEP[nm] * r["torch_us"] for nm, r in got.items()) / 1e3,
+                "best_ms": sum(PER_STEP[nm] * r["best"]["us"] for nm, r in got.items()) / 1e3}
+    data["step_ms"] = steps
+    if {"32", "256"} <= set(steps):
+        data["gemm_verify_vs_decode"] = {key: steps["256"][key] / steps["32"][key] for key in ("torch_ms", "best_ms")}
+    data["total_seconds"] = time.perf_counter() - t0
+    print(json.dumps({"step_ms": steps, "gemm_verify_vs_decode": data.get("gemm_verify_vs_decode")}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

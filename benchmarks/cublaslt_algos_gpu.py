@@ -21,6 +21,19 @@ is timed the same way in the same process. Each candidate's output is compared w
 
 Asserts nothing; prints a table per problem and writes JSON (per candidate: id, tile, stages, split-K, reduction
 scheme, cluster shape, the heuristic's waves estimate, microseconds, error against torch).
+
+``--search-max N`` also times up to N configurations beyond the heuristic's for the ``--search-problems``
+(``LtProblem.search``: every tile of the heuristic's algorithm x cluster shape x custom option that
+``cublasLtMatmulAlgoCheck`` accepts; the heuristic's tiles first, then the best-filled waves, then larger tiles).
+Not run yet: the device time of stop 40 ran out.
+
+Reading (stop 40, one H100 run, heuristic candidates only: ``results/cublaslt_algos_h100.json``): the heuristic
+offers 8 candidates per problem, all of algorithm 66 (the nvjet kernels), and its first times as torch's call does
+(within 1 us everywhere). The best candidate beats it by x1.00-1.07: qkv at 32 rows x1.07, down at 256 rows
+x1.056, the LM head x1.05 / x1.03 at 32 / 256 rows, gate_up at 256 rows x1.014. Summed over a step's GEMMs: 5.73 ->
+5.66 ms at 32 rows, 6.89 -> 6.74 ms at 256 (GEMM-only verify / decode 1.203 -> 1.190). Those fractions applied to
+the H200's steps would move verify8_vs_decode_b32 from 1.444 to about 1.43, a third of the 0.044 the bar needs, for
+a new dependency and per-GPU algorithm tables: not adopted.
 """
 
 from __future__ import annotations
@@ -112,7 +125,23 @@ class LtProblem:
                 out[name.lower()] = int(buf[0])
             except Exception as exc:  # noqa: BLE001 - an attribute this cuBLASLt lacks
                 out[name.lower()] = f"{type(exc).__name__}"
+        out["tile"] = self.tile_name(out.get("tile_id"))
         return out
+
+    def tile_name(self, tile_id) -> str:
+        """``TILE_256x128`` for a tile id (cuBLASLt's ``cublasLtMatmulTile_t``), else the id as text."""
+        try:
+            return self.lt.MatmulTile(int(tile_id)).name
+        except Exception:  # noqa: BLE001 - an id this enum does not name
+            return str(tile_id)
+
+    def tile_area(self, tile_id: int) -> int:
+        """Rows x columns of a tile id's output tile (0 when its name does not say)."""
+        try:
+            m, n = self.tile_name(tile_id).removeprefix("TILE_").split("x")[:2]
+            return int(m) * int(n)
+        except ValueError:
+            return 0
 
     def call(self, i: int, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, workspace: torch.Tensor):
         """A no-argument raw ``cublasLtMatmul`` with candidate ``i`` of ``x @ w.T`` into ``d`` ([M, N] row-major),
@@ -129,8 +158,8 @@ class LtProblem:
     def search(self, heuristic_tiles: set[int], max_timed: int) -> list[dict]:
         """Configurations of the heuristic's algorithm(s) beyond its candidates: every tile of each algorithm id
         the heuristic used x cluster shape x custom option (split-K 1, the heuristic's stage id), kept when
-        ``cublasLtMatmulAlgoCheck`` accepts it; up to ``max_timed`` of them, those whose waves use the SMs best
-        first (tiles the heuristic offered for any problem first among equals). Appended after the heuristic's
+        ``cublasLtMatmulAlgoCheck`` accepts it; up to ``max_timed`` of them: tiles the heuristic offered for any
+        problem first, then those whose waves use the SMs best, then larger tiles. Appended after the heuristic's
         candidates (``results``), so ``call`` and ``describe`` take their indices too."""
         lt, np = self.lt, self.np
         from nvmath.bindings import cublas
@@ -165,12 +194,13 @@ class LtProblem:
                         if waves <= 0 or int(check[0]["workspace_size"]) > WORKSPACE_BYTES:
                             continue
                         efficiency = waves / np.ceil(waves)
-                        found.append((-efficiency, int(tile) not in heuristic_tiles, len(found), algo, check.copy()))
-        found.sort(key=lambda f: f[:3])
+                        found.append((int(tile) not in heuristic_tiles, -round(efficiency, 2),
+                                      -self.tile_area(tile), len(found), algo, check.copy()))
+        found.sort(key=lambda f: f[:4])
         chosen = found[:max_timed]
         extra = np.zeros(self.count + len(chosen), dtype=lt.matmul_heuristic_result_dtype)
         extra[:self.count] = self.results[:self.count]
-        for j, (_, _, _, algo, res) in enumerate(chosen):
+        for j, (*_, algo, res) in enumerate(chosen):
             extra[self.count + j] = res[0]
             extra[self.count + j]["algo"] = algo[0]
         self.results = extra
@@ -300,7 +330,7 @@ def main() -> int:
             print(f"{name:8s} m={m:3d}: torch {r['torch_us']:8.1f} us; {r['num_candidates']:2d} cuBLASLt candidates,"
                   f" first {r.get('heuristic_first_us') or float('nan'):8.1f} us, best {b.get('us', float('nan')):8.1f}"
                   f" us (x{r.get('best_vs_torch', float('nan')):.3f}; rank {b.get('rank')}, id {b.get('id')}, tile"
-                  f" {b.get('tile_id')}, split_k {b.get('splitk_num')}, waves {b.get('waves_count')},"
+                  f" {b.get('tile')}, split_k {b.get('splitk_num')}, waves {b.get('waves_count')},"
                   f" err {b.get('max_abs_err_vs_torch')})", flush=True)
     steps = {}
     for m in rows:

@@ -22,6 +22,13 @@ above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, 
   each K tile's activations, scales and zeros inside the step that uses them, as before stop 39; the committed
   ``int4`` loads them a step ahead in tiles of up to 16 rows). ``int4_ahead_ab_h100_run1/2.json`` were taken with
   the lookahead at every tile size and on the GEMV path too (``int4`` there), whence today's limit.
+- ``int4_r32_w8`` / ``int4_r32_bk128``: the 32-row bucket (batch 32 decode, batch 4 verify) with 8 warps / K tiles
+  of 128, loads in-step; ``int4_ahead32_w8`` / ``int4_ahead32_bn32``: the 32-row bucket with the lookahead
+  (``OPERANDS_AHEAD_MAX_ROWS`` 32) and 8 warps / 32-column tiles (the committed 32-row tile lost with it at stop
+  39). Prepared at stop 40 for INT4's batch-32 step, slower than bf16's (x0.93 on an H100,
+  ``gpu_engine_h100_stop40.json``); not run yet. Compiled for sm_90 (ptxas -v): 128 / 80 registers a thread for the
+  committed tile without / with the lookahead, 64 / 62 with 8 warps, 168 / 164 with K tiles of 128, 64 / 66 with 32
+  columns; no spills.
 
 (Stop 37 also timed ``int4_nib64`` / ``int4_nib128``, a W4A16 form with one MMA per nibble position, in
 ``quant_rows_ab_int4_h100.json``: x0.26-0.99 of the committed INT4 step at batch 8-32, so it was removed.)
@@ -61,6 +68,10 @@ _DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split
 _MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
 _DOT_PF1 = dataclasses.replace(_DOT, prefetch=1)
 _DOT_PF2 = dataclasses.replace(_DOT, prefetch=2)
+_INT4_R32 = TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=32)  # as committed
+_INT4_R32_W8 = dataclasses.replace(_INT4_R32, num_warps=8)
+_INT4_R32_BK128 = dataclasses.replace(_INT4_R32, block_k=128)
+_INT4_R32_BN32 = dataclasses.replace(_INT4_R32, block_n=32)
 # method -> (the kernel's table's by_rows entries replaced, W8A16_MAX_ROWS or None); "bf16", "fp8" and "int4" keep
 # the committed tables
 VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
@@ -74,6 +85,10 @@ VARIANTS: dict[str, tuple[dict[int, TileConfig], int | None]] = {
     "fp8_pf2": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
     "fp8_pf2_early": ({8: _DOT_PF2, 32: _DOT_PF2}, None),
     "int4_noahead": ({}, None),
+    "int4_r32_w8": ({32: _INT4_R32_W8}, None),
+    "int4_r32_bk128": ({32: _INT4_R32_BK128}, None),
+    "int4_ahead32_w8": ({32: _INT4_R32_W8}, None),
+    "int4_ahead32_bn32": ({32: _INT4_R32_BN32}, None),
 }
 METHODS = ("bf16", "fp8", "int4", *VARIANTS, "fp8_early")
 
@@ -97,7 +112,8 @@ def run_method(method: str, config, args, device: torch.device, dtype: torch.dty
     saved_max, saved_ahead = quant_tiles.W8A16_MAX_ROWS, triton_w4a16.OPERANDS_AHEAD_MAX_ROWS
     quant_tiles.W8A16_MAX_ROWS = max_rows
     triton_pdl.EARLY_LAUNCH = method.endswith("_early")  # read at every launch; the graphs capture it
-    triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = 0 if method.endswith("_noahead") else saved_ahead
+    ahead = 0 if method.endswith("_noahead") else 32 if method.startswith("int4_ahead32") else saved_ahead
+    triton_w4a16.OPERANDS_AHEAD_MAX_ROWS = ahead
     t0 = time.perf_counter()
     try:
         # the tables hold until this method's engine is gone: its CUDA graphs capture the launches

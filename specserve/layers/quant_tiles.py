@@ -214,7 +214,9 @@ FUSED_MLP_ONE_ROW: dict | None = None
 # configuration, or None for cuBLAS. Shapes and row counts without an entry keep cuBLAS. Only shapes where
 # benchmarks/triton_gemm_gpu.py timed the kernel faster than cuBLAS belong here. Empty: on the H200 cuBLAS won on
 # every Llama-3.1-8B weight at M = 256 and all but gate_up at M = 128 (x1.04 there, no measurable step gain;
-# benchmarks/results/triton_gemm_gpu.json).
+# benchmarks/results/triton_gemm_gpu.json). cuBLASLt's other heuristic candidates for the same GEMMs win x1.00-1.07
+# per GEMM over torch's cuBLAS call on an H100, 2% of the GEMM time at 256 rows and 1% at 32 (benchmarks/
+# cublaslt_algos_gpu.py, results/cublaslt_algos_h100.json): not adopted.
 BF16_GEMM_MIN_ROWS = 64
 BF16_GEMM_TILES: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
 

@@ -50,20 +50,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
+from benchmarks.triton_gemm_gpu import time_calls  # noqa: E402
 
 # (name, out_features, in_features, float32 output): Llama-3.1-8B
 SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
           ("down", 4096, 14336, False), ("lm_head", 128256, 4096, True))
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-
-
-def time_calls(calls: list, reps: int) -> float:
-    """Seconds per call: a CUDA graph of ``reps`` passes over ``calls`` (ge.graph_time_s)."""
-    def body() -> None:
-        for _ in range(reps):
-            for call in calls:
-                call()
-    return ge.graph_time_s(body) / (reps * len(calls))
 
 
 CONFIG_FIELDS = ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CTA_SWIZZLING", "CUSTOM_OPTION",

@@ -135,7 +135,14 @@ class LtProblem:
         except ValueError:
             return 0
 
-    def call(self, i: int, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, workspace: torch.Tensor):
+    def call(
+        self,
+        i: int,
+        x: torch.Tensor,  # [M, K] bf16, row-major
+        w: torch.Tensor,  # [N, K] bf16, row-major
+        d: torch.Tensor,  # [M, N] bf16 (float32 with float_out), row-major: written
+        workspace: torch.Tensor,  # [WORKSPACE_BYTES] uint8
+    ):
         """A no-argument raw ``cublasLtMatmul`` with candidate ``i`` of ``x @ w.T`` into ``d`` ([M, N] row-major),
         on the current torch stream (so that a CUDA graph captures it)."""
         ws_size = int(self.results[i]["workspace_size"])

@@ -173,8 +173,7 @@ class LtProblem:
             lt.matmul_algo_init(self.handle, int(cublas.ComputeType.COMPUTE_32F), 0, bf16, bf16, d_type, d_type,
                                 algo_id, base.ctypes.data)
             tiles = self._cap_array(base, "TILE_IDS")
-            co_max = int(self._cap_array(base, "CUSTOM_OPTION_MAX")[0]) if self._cap_array(base, "CUSTOM_OPTION_MAX") \
-                else 0
+            co_max = max(self._cap_array(base, "CUSTOM_OPTION_MAX"), default=0)
             for tile in tiles:
                 for cluster in (0, 2, 3, 4, 5, 6, 7, 9):
                     for co in range(co_max + 1):
@@ -201,7 +200,7 @@ class LtProblem:
         extra[:self.count] = self.results[:self.count]
         for j, (*_, algo, res) in enumerate(chosen):
             extra[self.count + j] = res[0]
-            extra[self.count + j]["algo"] = algo[0]
+            extra["algo"][self.count + j] = algo[0]  # field first: a view of ``extra``, written in place
         self.results = extra
         self.searched = {"configs_accepted": len(found), "timed": len(chosen)}
         return [self.describe(self.count + j) for j in range(len(chosen))]

@@ -17,18 +17,29 @@ weights (HBM-resident, as in a forward), median of 5 replays, per MLP:
 - ``c{C}_s1``: C slices one after another on one stream (the price of slicing alone);
 - ``c{C}_s{S}``: C slices, slice c on stream c mod S.
 
-``max_abs_diff`` is each variant's output against ``fused`` (fp32 summation order only: small, not zero).
+``max_abs_diff`` is each variant's output against ``fused`` (other summation orders, and down's split sums
+rounded once: small, not zero).
 ``sum_us``: the fp32 sum of C partials and its rounding alone, included in the ``c{C}_*`` times; an engine would
 fold it into the residual add that follows the MLP.
 
+``--engine``: then the whole step, as issue 6's figure takes it: the Llama-3.1-8B target forward + LM head replayed
+from the runner's CUDA graphs at batch 32 (dummy weights), decode (1 token) and verify (8 tokens), with every
+layer's MLP as the engine has it (``fused``) and as ``c{C}_s{S}`` branches for steps of at least ``--min-rows`` rows
+(``patch_branches``: the layers' ``mlp.forward`` replaced in this process only, sliced weight copies beside the
+model's), settings alternated over ``--rounds``; ``verify8_vs_decode`` per setting, and the verify logits' distance.
+
     python benchmarks/mlp_branches_gpu.py --out $OUT/mlp_branches_gpu.json
+    python benchmarks/mlp_branches_gpu.py --engine --rows 256 --slices 2 --streams 2 --out $OUT/mlp_branches_gpu.json
     python benchmarks/mlp_branches_gpu.py --device cpu --smoke   # the maths of every variant, eagerly, on CPU
+
+Written at stop 40 and not yet run on a GPU (that session's device time went to machines that did not start).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -172,6 +183,71 @@ def run(args) -> dict:
     return out
 
 
+def patch_branches(model, num_slices: int, num_streams: int, min_rows: int, device: torch.device):
+    """Replace every decoder layer's ``mlp.forward`` by ``mlp_branches`` for inputs of at least ``min_rows`` rows
+    (fewer: the layer's own forward) -> a function that restores them. bf16 layers only (``Linear`` weights)."""
+    side = [torch.cuda.Stream(device) for _ in range(num_streams - 1)]
+    saved = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        weights = MlpWeights(mlp.gate_up_proj.weight, mlp.down_proj.weight, (num_slices,))
+        saved.append((mlp, mlp.__dict__.get("forward")))
+
+        def forward(x, mlp=mlp, weights=weights, own=type(mlp).forward):
+            if x.shape[0] < min_rows:
+                return own(mlp, x)
+            return mlp_branches(mlp.ops, x, weights, num_slices, side)
+        mlp.forward = forward
+
+    def restore() -> None:
+        for mlp, before in saved:
+            if before is None:
+                del mlp.forward
+            else:
+                mlp.forward = before
+    return restore
+
+
+def engine_ab(args) -> dict:
+    """Decode and verify steps of the engine's runner with the MLP fused and as branches (module docstring)."""
+    import benchmarks.gpu_engine as ge
+    import benchmarks.pdl_gpu as pdl_gpu
+    from specserve.config import CacheConfig
+    from specserve.engine.model_runner import ModelRunner
+    from specserve.models.shapes import shape_config
+
+    device, batch, context = torch.device("cuda"), args.batch, args.context
+    config = shape_config("llama-3.1-8b")
+    model = ge.dummy_model(config, 2048, torch.bfloat16, device)
+    runner = ModelRunner(model, config, CacheConfig(block_size=ge.BLOCK_SIZE, kv_cache_memory_gib=args.kv_gib), device)
+    c, s = int(args.slices.split(",")[0]), int(args.streams.split(",")[-1])
+    name = f"c{c}_s{s}"
+    torch.manual_seed(0)
+    inputs = ge.forward_inputs(runner, batch, context, 8)
+    logits, times = {}, {"fused": {1: [], 8: []}, name: {1: [], 8: []}}
+    for _ in range(args.rounds):
+        for setting in ("fused", name):
+            restore = patch_branches(model, c, s, args.min_rows, device) if setting == name else (lambda: None)
+            try:
+                pdl_gpu.capture(runner, batch)
+                got = ge.time_forwards(runner, device, batch, context, (1, 8), args.iters, 1)
+                for q in (1, 8):
+                    times[setting][q].append(got[q])
+                logits[setting] = pdl_gpu.logits_of(runner, inputs, graphs=True).float()
+            finally:
+                restore()
+    med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}
+    diff = (logits[name] - logits["fused"]).abs().max().item()
+    agree = (logits[name].argmax(-1) == logits["fused"].argmax(-1)).float().mean().item()
+    out = {"batch": batch, "context": context, "min_rows": args.min_rows, "step_s": med, "rounds_s": times,
+           "verify8_vs_decode": {k: v[8] / v[1] for k, v in med.items()},
+           "verify8_speedup": med["fused"][8] / med[name][8], "decode_speedup": med["fused"][1] / med[name][1],
+           "verify_logits_max_abs_diff": diff, "verify_argmax_agreement": agree}
+    print(json.dumps({k: out[k] for k in ("step_s", "verify8_vs_decode", "verify8_speedup", "decode_speedup",
+                                         "verify_logits_max_abs_diff", "verify_argmax_agreement")}, indent=1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -181,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,2")
     ap.add_argument("--copies", type=int, default=2, help="layers' weights per pass (352 MB each)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine", action="store_true", help="also the engine's decode / verify steps (docstring)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--min-rows", type=int, default=128, help="--engine: branches for steps of at least this many rows")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -191,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         data |= {"gpu": torch.cuda.get_device_name(), "sm_count": props.multi_processor_count}
     with torch.inference_mode():
         data |= run(args)
+        if args.engine:
+            import benchmarks.gpu_engine as ge
+            ge.free(torch.device(args.device))
+            data["engine"] = engine_ab(args)
     data["total_seconds"] = time.perf_counter() - t0
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

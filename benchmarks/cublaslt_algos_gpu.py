@@ -50,13 +50,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from benchmarks.triton_gemm_gpu import time_calls  # noqa: E402
+from benchmarks.triton_gemm_gpu import llama8b_shapes, time_calls  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
 
-# (name, out_features, in_features, float32 output): Llama-3.1-8B
-SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
-          ("down", 4096, 14336, False), ("lm_head", 128256, 4096, True))
-PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-
+SHAPES = llama8b_shapes()  # name -> (out_features, in_features, float32 output): Llama-3.1-8B
+LAYERS = shape_config("llama-3.1-8b").num_hidden_layers
+PER_STEP = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}  # calls of each GEMM in one step
 
 CONFIG_FIELDS = ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CTA_SWIZZLING", "CUSTOM_OPTION",
                  "INNER_SHAPE_ID", "CLUSTER_SHAPE_ID")
@@ -154,7 +153,7 @@ class LtProblem:
                            self.d_layout, algo, workspace.data_ptr(), ws_size, torch.cuda.current_stream().cuda_stream)
         return run
 
-    def search(self, heuristic_tiles: set[int], max_timed: int) -> list[dict]:
+    def search(self, heuristic_tiles: set[int], max_timed: int) -> None:
         """Configurations of the heuristic's algorithm(s) beyond its candidates: every tile of each algorithm id
         the heuristic used x cluster shape x custom option (split-K 1, the heuristic's stage id), kept when
         ``cublasLtMatmulAlgoCheck`` accepts it; up to ``max_timed`` of them: tiles the heuristic offered for any
@@ -164,8 +163,9 @@ class LtProblem:
         from nvmath.bindings import cublas
         bf16 = 14
         d_type = self._d_type
-        ids = sorted({int(self.describe(i)["id"]) for i in range(self.count)})
-        stages = int(self.describe(0)["stages_id"]) if self.count else 0
+        described = [self.describe(i) for i in range(self.count)]
+        ids = sorted({int(d["id"]) for d in described})
+        stages = int(described[0]["stages_id"]) if described else 0
         found = []
         check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
         for algo_id in ids:
@@ -203,7 +203,6 @@ class LtProblem:
             extra["algo"][self.count + j] = algo[0]  # field first: a view of ``extra``, written in place
         self.results = extra
         self.searched = {"configs_accepted": len(found), "timed": len(chosen)}
-        return [self.describe(self.count + j) for j in range(len(chosen))]
 
     def _cap_array(self, algo, name: str):
         lt, np = self.lt, self.np
@@ -245,19 +244,18 @@ def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.de
     row["num_candidates"] = lt.count
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     d = torch.empty(m, n, device=device, dtype=torch.float32 if float_out else dtype)
-    cands = []
+    cands = [{"rank": i, "source": "heuristic"} | lt.describe(i) for i in range(lt.count)]
     tiles_seen = set() if tiles_seen is None else tiles_seen
-    tiles_seen |= {int(lt.describe(i)["tile_id"]) for i in range(lt.count)}
-    indices = list(range(lt.count))
+    tiles_seen |= {int(c["tile_id"]) for c in cands}
     if search_max > 0:
         try:
             lt.search(tiles_seen, search_max)
             row["search"] = lt.searched
-            indices += list(range(lt.count, len(lt.results)))
+            cands += [{"rank": i, "source": "search"} | lt.describe(i) for i in range(lt.count, len(lt.results))]
         except Exception as exc:  # noqa: BLE001 - keep the heuristic's candidates
             row["search_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    for rank in indices:
-        entry = {"rank": rank, "source": "heuristic" if rank < lt.count else "search"} | lt.describe(rank)
+    for entry in cands:
+        rank = entry["rank"]
         try:
             entry["us"] = time_calls([lt.call(rank, x, w, d, workspace) for w in weights], reps) * 1e6
             got = d.float()  # the last call's product: weights[-1]
@@ -265,7 +263,6 @@ def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.de
             entry["ref_max_abs"] = ref.abs().max().item()
         except Exception as exc:  # noqa: BLE001 - record it, time the others
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        cands.append(entry)
     row["candidates"] = cands
     timed = [c for c in cands if "us" in c]
     if timed:
@@ -284,7 +281,7 @@ def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.de
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="32,256")
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--limit", type=int, default=64, help="candidates asked of the cuBLASLt heuristic")
     ap.add_argument("--search-max", type=int, default=0,
@@ -313,7 +310,7 @@ def main() -> int:
     tiles_seen: set[int] = set()
     wanted = set(args.shapes.split(","))
     for m in rows:
-        for name, n, k, float_out in SHAPES:
+        for name, (n, k, float_out) in SHAPES.items():
             if name not in wanted:
                 continue
             try:
@@ -333,7 +330,7 @@ def main() -> int:
     steps = {}
     for m in rows:
         got = {r["name"]: r for r in data["problems"] if r["m"] == m}
-        if set(got) == {s[0] for s in SHAPES}:
+        if set(got) == set(SHAPES):
             steps[str(m)] = {
                 "torch_ms": sum(PER_STEP[nm] * r["torch_us"] for nm, r in got.items()) / 1e3,
                 "best_ms": sum(PER_STEP[nm] * r["best"]["us"] for nm, r in got.items()) / 1e3}

@@ -50,8 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specserve.layers.ops import TorchOps  # noqa: E402
-
-HIDDEN, INTER = 4096, 14336  # Llama-3.1-8B
+from specserve.models.shapes import shape_config  # noqa: E402
 
 
 class MlpWeights:
@@ -133,7 +132,8 @@ def run(args) -> dict:
         ops: TorchOps = TritonOps()
     else:
         ops = TorchOps()
-    hidden, inter = (256, 512) if args.smoke else (HIDDEN, INTER)
+    config = shape_config("llama-3.1-8b")
+    hidden, inter = (256, 512) if args.smoke else (config.hidden_size, config.intermediate_size)
     slices = tuple(int(c) for c in args.slices.split(","))
     streams = tuple(int(s) for s in args.streams.split(","))
     gen = torch.Generator(device=device).manual_seed(0)
@@ -214,7 +214,6 @@ def engine_ab(args) -> dict:
     import benchmarks.pdl_gpu as pdl_gpu
     from specserve.config import CacheConfig
     from specserve.engine.model_runner import ModelRunner
-    from specserve.models.shapes import shape_config
 
     device, batch, context = torch.device("cuda"), args.batch, args.context
     config = shape_config("llama-3.1-8b")

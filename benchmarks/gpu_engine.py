@@ -38,7 +38,6 @@ from specserve.config import (  # noqa: E402
     CacheConfig,
     CudaGraphConfig,
     EngineConfig,
-    MlpBranchConfig,
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
@@ -353,7 +352,6 @@ def bandwidth_section(rep: Report, device: torch.device, nbytes: int) -> None:
 def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> None:
     config = shape_config(args.big_shape)
     model = dummy_model(config, args.max_model_len, dtype, device)
-    split = model.split_mlps(args.mlp_branches, args.mlp_branch_min_rows, MlpBranchConfig.streams, device)
     engine = engine_for(model, config, device, max(args.batches), args.kv_gib, args.max_model_len,
                         args.prefill_budget, proposers={})
     bw = rep.data.get("copy_bandwidth_gb_s", float("nan")) * 1e9
@@ -361,7 +359,6 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     kv_tok = kv_bytes_per_token(config, dtype)
     out = {"shape": args.big_shape, "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
            "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "async_scheduling": engine.async_scheduling,
-           "mlp_branches": {"slices": args.mlp_branches, "min_rows": args.mlp_branch_min_rows, "mlps_split": split},
            "by_batch": {}}
     rep.data["decode"] = out
     for b in args.batches:
@@ -652,10 +649,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-gemm-table", default=None,
                     help="JSON of quant_tiles.BF16_GEMM_TILES entries to use instead of the module's (as "
                          "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
-    ap.add_argument("--mlp-branches", type=int, default=MlpBranchConfig.slices, metavar="C",
-                    help="decode and verify section: the Llama-3.1-8B MLPs as C branches (the engine's "
-                         "--mlp-branches; 0: one GEMM each)")
-    ap.add_argument("--mlp-branch-min-rows", type=int, default=MlpBranchConfig.min_rows)
     args = ap.parse_args(argv)
     import os
     gemm_table_json = json.loads(Path(args.bf16_gemm_table).read_text()) if args.bf16_gemm_table else None

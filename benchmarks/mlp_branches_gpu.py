@@ -24,10 +24,9 @@ fold it into the residual add that follows the MLP.
 
 ``--engine``: then the whole step, as issue 6's figure takes it: the Llama-3.1-8B target forward + LM head replayed
 from the runner's CUDA graphs at batch 32 (dummy weights), decode (1 token) and verify (8 tokens), with every
-layer's MLP split as the engine splits it (``layers/mlp_branches.py``: gate|up's rows stored per slice, no copy)
-and run as ``c{C}_s{S}`` branches for steps of at least ``--min-rows`` rows or as one GEMM (``one_gemm``),
-settings alternated over ``--rounds``; ``verify8_vs_decode`` per setting, and the verify logits' distance to
-each other and to the model before the split.
+layer's MLP as the engine has it (``fused``) and as ``c{C}_s{S}`` branches for steps of at least ``--min-rows`` rows
+(``patch_branches``: the layers' ``mlp.forward`` replaced in this process only, sliced weight copies beside the
+model's), settings alternated over ``--rounds``; ``verify8_vs_decode`` per setting, and the verify logits' distance.
 
     python benchmarks/mlp_branches_gpu.py --out $OUT/mlp_branches_gpu.json
     python benchmarks/mlp_branches_gpu.py --engine --rows 256 --slices 2 --streams 2 --out $OUT/mlp_branches_gpu.json
@@ -50,23 +49,28 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specserve.layers.mlp_branches import MlpBranches, interleave_gate_up  # noqa: E402
 from specserve.layers.ops import TorchOps  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
 
 class MlpWeights:
-    """One layer's MLP weights as the engine keeps them (``gate_up`` [2 * inter, hidden]: gate rows, then up rows;
-    ``down`` [hidden, inter]) and, per slice count C, gate|up interleaved per slice (``mlp_branches``'s layout, a
-    copy beside the original)."""
+    """One layer's MLP weights in both layouts: ``gate_up`` [2 * inter, hidden] (gate rows, then up rows: the
+    engine's) and per slice c of ``slices`` the rows ``[gate_c; up_c]`` as one contiguous [2 * inter / C, hidden]
+    tensor, plus ``down`` [hidden, inter] and its column slices (strided views, no copy).
+
+    Worked example (inter = 4, C = 2): gate rows g0..g3, up rows u0..u3; slice 0 holds [g0, g1, u0, u1], slice 1
+    [g2, g3, u2, u3]; down's slice 0 is its columns 0-1, slice 1 columns 2-3."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, slices: tuple[int, ...]) -> None:
         # gate_up: [2 * inter, hidden]; down: [hidden, inter]
         self.gate_up, self.down = gate_up, down
-        self.interleaved = {c: interleave_gate_up(gate_up, c) for c in slices}
-
-    def branches(self, num_slices: int, side_streams: list) -> MlpBranches:
-        return MlpBranches(self.interleaved[num_slices], self.down, num_slices, side_streams)
+        inter = down.shape[1]
+        gate, up = gate_up[:inter], gate_up[inter:]
+        self.sliced: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for c in slices:
+            width = inter // c
+            self.sliced[c] = [(torch.cat([gate[i * width:(i + 1) * width], up[i * width:(i + 1) * width]]),
+                               down[:, i * width:(i + 1) * width]) for i in range(c)]
 
 
 def mlp_fused(
@@ -75,6 +79,43 @@ def mlp_fused(
     w: MlpWeights,
 ) -> torch.Tensor:  # [M, hidden], x.dtype
     return F.linear(ops.silu_and_mul(F.linear(x, w.gate_up)), w.down)
+
+
+def down_fp32(
+    a: torch.Tensor,  # [M, inter / C]
+    down: torch.Tensor,  # [hidden, inter / C] (a strided column slice)
+) -> torch.Tensor:  # [M, hidden] float32: a @ down.T with fp32 sums, not rounded to 16 bits
+    if a.device.type == "cuda":
+        return torch.mm(a, down.t(), out_dtype=torch.float32)
+    return a.float() @ down.float().t()
+
+
+def mlp_branches(
+    ops: TorchOps,
+    x: torch.Tensor,  # [M, hidden]
+    w: MlpWeights,
+    num_slices: int,
+    side_streams: list,  # S - 1 side streams (empty: one stream)
+) -> torch.Tensor:  # [M, hidden], x.dtype
+    """Slice c's gate_up GEMM, SiLU-and-mul and fp32 down GEMM on stream c mod S (stream 0: the current one),
+    forked from and joined back to the current stream; the partials are added in fp32 and rounded once."""
+    main = torch.cuda.current_stream() if side_streams else None
+    for s in side_streams:
+        s.wait_stream(main)
+    parts = []
+    for c, (gate_up_c, down_c) in enumerate(w.sliced[num_slices]):
+        lane = c % (len(side_streams) + 1)
+        if lane == 0:
+            parts.append(down_fp32(ops.silu_and_mul(F.linear(x, gate_up_c)), down_c))
+            continue
+        with torch.cuda.stream(side_streams[lane - 1]):
+            parts.append(down_fp32(ops.silu_and_mul(F.linear(x, gate_up_c)), down_c))
+    for s in side_streams:
+        main.wait_stream(s)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total.to(x.dtype)
 
 
 def graph_us(body, calls: int, replays: int = 5) -> float:
@@ -104,7 +145,7 @@ def run(args) -> dict:
     for c in slices:
         for s in streams:
             if s <= c and (s == 1 or device.type == "cuda"):
-                variants[f"c{c}_s{s}"] = lambda x, w, c=c, s=s: w.branches(c, side[:s - 1])(ops, x)
+                variants[f"c{c}_s{s}"] = lambda x, w, c=c, s=s: mlp_branches(ops, x, w, c, side[:s - 1])
     out: dict = {"hidden": hidden, "inter": inter, "copies": len(layers), "reps": args.reps, "by_rows": {}}
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, hidden, device=device, dtype=dtype, generator=gen)
@@ -142,12 +183,33 @@ def run(args) -> dict:
     return out
 
 
+def patch_branches(model, num_slices: int, num_streams: int, min_rows: int, device: torch.device):
+    """Replace every decoder layer's ``mlp.forward`` by ``mlp_branches`` for inputs of at least ``min_rows`` rows
+    (fewer: the layer's own forward) -> a function that restores them. bf16 layers only (``Linear`` weights)."""
+    side = [torch.cuda.Stream(device) for _ in range(num_streams - 1)]
+    saved = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        weights = MlpWeights(mlp.gate_up_proj.weight, mlp.down_proj.weight, (num_slices,))
+        saved.append((mlp, mlp.__dict__.get("forward")))
+
+        def forward(x, mlp=mlp, weights=weights, own=type(mlp).forward):
+            if x.shape[0] < min_rows:
+                return own(mlp, x)
+            return mlp_branches(mlp.ops, x, weights, num_slices, side)
+        mlp.forward = forward
+
+    def restore() -> None:
+        for mlp, before in saved:
+            if before is None:
+                del mlp.forward
+            else:
+                mlp.forward = before
+    return restore
+
+
 def engine_ab(args) -> dict:
-    """Decode and verify steps of the engine's runner with every MLP split into branches
-    (``LlamaForCausalLM.split_mlps``: the layout the engine uses) and the branches on or off per step size
-    (``set_branch_min_rows``: off, every step keeps one gate|up GEMM over the same weights), settings alternated
-    over ``--rounds``. The verify logits are compared with the model's before it was split (same weights, rows
-    reordered) and between the two settings."""
+    """Decode and verify steps of the engine's runner with the MLP fused and as branches (module docstring)."""
     import benchmarks.gpu_engine as ge
     import benchmarks.pdl_gpu as pdl_gpu
     from specserve.config import CacheConfig
@@ -161,31 +223,27 @@ def engine_ab(args) -> dict:
     name = f"c{c}_s{s}"
     torch.manual_seed(0)
     inputs = ge.forward_inputs(runner, batch, context, 8)
-    pdl_gpu.capture(runner, batch)
-    logits = {"unsplit": pdl_gpu.logits_of(runner, inputs, graphs=True).float()}
-    split = model.split_mlps(c, args.min_rows, s, device)
-    times = {"one_gemm": {1: [], 8: []}, name: {1: [], 8: []}}
+    logits, times = {}, {"fused": {1: [], 8: []}, name: {1: [], 8: []}}
     for _ in range(args.rounds):
-        for setting in times:
-            model.set_branch_min_rows(args.min_rows if setting == name else 1 << 30)
-            pdl_gpu.capture(runner, batch)
-            got = ge.time_forwards(runner, device, batch, context, (1, 8), args.iters, 1)
-            for q in (1, 8):
-                times[setting][q].append(got[q])
-            logits[setting] = pdl_gpu.logits_of(runner, inputs, graphs=True).float()
+        for setting in ("fused", name):
+            restore = patch_branches(model, c, s, args.min_rows, device) if setting == name else (lambda: None)
+            try:
+                pdl_gpu.capture(runner, batch)
+                got = ge.time_forwards(runner, device, batch, context, (1, 8), args.iters, 1)
+                for q in (1, 8):
+                    times[setting][q].append(got[q])
+                logits[setting] = pdl_gpu.logits_of(runner, inputs, graphs=True).float()
+            finally:
+                restore()
     med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}
-
-    def distance(a: str, b: str) -> dict:
-        return {"max_abs_diff": (logits[a] - logits[b]).abs().max().item(),
-                "argmax_agreement": (logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean().item()}
-
-    out = {"batch": batch, "context": context, "min_rows": args.min_rows, "mlps_split": split, "step_s": med,
-           "rounds_s": times, "verify8_vs_decode": {k: v[8] / v[1] for k, v in med.items()},
-           "verify8_speedup": med["one_gemm"][8] / med[name][8], "decode_speedup": med["one_gemm"][1] / med[name][1],
-           "verify_logits": {"one_gemm_vs_unsplit": distance("one_gemm", "unsplit"),
-                             f"{name}_vs_one_gemm": distance(name, "one_gemm")}}
-    print(json.dumps({k: out[k] for k in ("mlps_split", "step_s", "verify8_vs_decode", "verify8_speedup",
-                                         "decode_speedup", "verify_logits")}, indent=1))
+    diff = (logits[name] - logits["fused"]).abs().max().item()
+    agree = (logits[name].argmax(-1) == logits["fused"].argmax(-1)).float().mean().item()
+    out = {"batch": batch, "context": context, "min_rows": args.min_rows, "step_s": med, "rounds_s": times,
+           "verify8_vs_decode": {k: v[8] / v[1] for k, v in med.items()},
+           "verify8_speedup": med["fused"][8] / med[name][8], "decode_speedup": med["fused"][1] / med[name][1],
+           "verify_logits_max_abs_diff": diff, "verify_argmax_agreement": agree}
+    print(json.dumps({k: out[k] for k in ("step_s", "verify8_vs_decode", "verify8_speedup", "decode_speedup",
+                                         "verify_logits_max_abs_diff", "verify_argmax_agreement")}, indent=1))
     return out
 
 

@@ -18,7 +18,6 @@ from specserve.config import (
     CacheConfig,
     CudaGraphConfig,
     EngineConfig,
-    MlpBranchConfig,
     SchedulerConfig,
     SpecConfig,
 )
@@ -78,11 +77,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=CudaGraphConfig.draft_steps,
                    help="also capture an EAGLE-3 head's drafting: its ingest forward and all k draft steps "
                         "(one graph per batch bucket, queue length and k), or steps 2..k after a long queue")
-    g.add_argument("--mlp-branches", type=int, default=MlpBranchConfig.slices, metavar="C",
-                   help="run each MLP as C branches over slices of its intermediate dimension, on two CUDA "
-                        "streams, for steps of at least --mlp-branch-min-rows rows (16-bit weights; 0: off)")
-    g.add_argument("--mlp-branch-min-rows", type=int, default=MlpBranchConfig.min_rows,
-                   help="smallest step (in rows) whose MLPs run as branches")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
     g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",
@@ -111,8 +105,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 _FLAG_OF_FIELD = {"num_blocks": "--num-kv-blocks", "speculative.method": "--spec-method",
                   "speculative.model": "--spec-model", "speculative.head_cpu_quant": "--spec-head-cpu-quant",
                   "cuda_graphs.batch_sizes": "--cuda-graph-batch-sizes",
-                  "cuda_graphs.max_query_len": "--cuda-graph-max-query-len",
-                  "mlp_branches.slices": "--mlp-branches", "mlp_branches.min_rows": "--mlp-branch-min-rows"}
+                  "cuda_graphs.max_query_len": "--cuda-graph-max-query-len"}
 
 
 def config_error_message(exc: Exception) -> str:
@@ -161,7 +154,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_model_len=args.max_model_len, async_scheduling=args.async_scheduling),
         speculative=spec_config_from_args(args),
         cuda_graphs=cuda_graph_config_from_args(args),
-        mlp_branches=MlpBranchConfig(slices=args.mlp_branches, min_rows=args.mlp_branch_min_rows),
     )
 
 

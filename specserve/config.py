@@ -137,24 +137,6 @@ class CudaGraphConfig:
         _require(self.num_splits is None or self.num_splits >= 1, "cuda_graphs.num_splits", "must be >= 1")
 
 
-@dataclass
-class MlpBranchConfig:
-    """Every MLP of the target as ``slices`` branches over its intermediate dimension (``layers/mlp_branches.py``)
-    for steps of at least ``min_rows`` rows, slice c on CUDA stream c mod ``streams``: at verify sizes one slice's
-    SiLU and down GEMM fill the SMs another slice's gate|up GEMM leaves idle in its last wave. Smaller steps keep
-    one gate|up GEMM over the same (re-ordered) weights. Applies on CUDA to 16-bit projections that are not
-    quantized; ``slices`` 0 or 1: off."""
-
-    slices: int = 0
-    min_rows: int = 128
-    streams: int = 2
-
-    def __post_init__(self) -> None:
-        _require(self.slices >= 0, "mlp_branches.slices", "must be >= 0")
-        _require(self.min_rows >= 1, "mlp_branches.min_rows", "must be >= 1")
-        _require(self.streams >= 1, "mlp_branches.streams", "must be >= 1")
-
-
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "peagle")
 # Methods that need a model (``SpecConfig.model``); n-gram lookup needs none.
 SPEC_MODEL_METHODS = ("draft", "eagle3", "peagle")
@@ -227,7 +209,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    mlp_branches: MlpBranchConfig = field(default_factory=MlpBranchConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",

@@ -96,9 +96,6 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.metrics = metrics
-        branches = config.mlp_branches
-        if branches.slices > 1 and self.device.type == "cuda" and hasattr(model, "split_mlps"):
-            model.split_mlps(branches.slices, branches.min_rows, branches.streams, self.device)
         self.runner = ModelRunner(model, model_config, config.cache, self.device)
         block_size = config.cache.block_size
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings

@@ -20,7 +20,6 @@ from specserve.config import ModelConfig
 from specserve.layers import quant_tiles
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import Linear, dense_linear, pack_weight, packed_linear, use_quant_kernel
-from specserve.layers.mlp_branches import MlpBranches, interleave_gate_up, silu_and_mul_sliced
 from specserve.layers.norm import RMSNorm
 from specserve.layers.ops import TorchOps
 from specserve.layers.quant_cpu import QuantizedWeight, load_extension, quant_linear
@@ -85,28 +84,6 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.ops = TorchOps()
         self._one_row_state: tuple[torch.Tensor, torch.Tensor] | None = None  # (barrier counter, amax slots)
-        # split_into_branches(): gate|up's rows stored per slice; steps of >= branch_min_rows rows run as branches
-        self.num_slices = 1
-        self.branch_min_rows = 0
-        self.branches: MlpBranches | None = None
-
-    def split_into_branches(self, num_slices: int, min_rows: int, side_streams: list) -> bool:
-        """Store gate|up's rows per slice of the intermediate dimension (``layers/mlp_branches.py``) and run
-        steps of at least ``min_rows`` rows as ``num_slices`` branches (on ``side_streams`` too, CUDA); fewer
-        rows keep one gate|up GEMM. Only for plain ``Linear`` projections without bias or GGUF blocks whose
-        intermediate size the slices divide; returns whether the MLP was split (False: left as it was)."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if (num_slices < 2 or self.num_slices > 1 or type(gate_up) is not Linear or type(down) is not Linear
-                or gate_up.quant is not None or down.quant is not None or gate_up.bias is not None
-                or self.intermediate_size % num_slices):
-            return False
-        with torch.no_grad():
-            gate_up.weight.copy_(interleave_gate_up(gate_up.weight, num_slices))
-        if gate_up.packed is not None:
-            gate_up.pack()
-        self.num_slices, self.branch_min_rows = num_slices, min_rows
-        self.branches = MlpBranches(gate_up.weight, down.weight, num_slices, side_streams)
-        return True
 
     def fused_one_row(
         self,
@@ -146,11 +123,6 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor | Fp8Activations,  # [num_tokens, hidden_size] (e4m3 + scales: gate_up is an Fp8Linear)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.branches is not None:
-            if x.shape[0] >= self.branch_min_rows:
-                return self.branches(self.ops, x)
-            act = silu_and_mul_sliced(self.ops, self.gate_up_proj(x), self.num_slices)
-            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         if fuse_fp8_input(self.down_proj, self.ops, "silu_and_mul_fp8"):
             return self.down_proj(self.ops.silu_and_mul_fp8(gate_up))
@@ -233,18 +205,6 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head is None:  # a quantized head runs its own kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self._packed_head = pack_weight(weight)
-
-    def split_mlps(self, num_slices: int, min_rows: int, num_streams: int, device: torch.device) -> int:
-        """Every decoder layer's MLP as ``num_slices`` branches for steps of at least ``min_rows`` rows
-        (``MLP.split_into_branches``), spread over ``num_streams`` CUDA streams on ``device`` (one stream on
-        CPU). Returns how many MLPs were split (quantized ones are not)."""
-        side = [torch.cuda.Stream(device) for _ in range(num_streams - 1)] if device.type == "cuda" else []
-        return sum(layer.mlp.split_into_branches(num_slices, min_rows, side) for layer in self.layers)
-
-    def set_branch_min_rows(self, min_rows: int) -> None:
-        """Steps of at least ``min_rows`` rows run split MLPs as branches (a larger value: one GEMM each)."""
-        for layer in self.layers:
-            layer.mlp.branch_min_rows = min_rows
 
     def init_rope(self, device: torch.device) -> None:
         """Build the rotary tables on ``device`` in the model's dtype (call after any ``.to(dtype)``)."""

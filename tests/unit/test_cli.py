@@ -120,20 +120,6 @@ def test_bad_cuda_graph_flag_names_the_flag():
     assert config_error_message(exc.value).startswith("argument --cuda-graph-batch-sizes:")
 
 
-def test_mlp_branch_flags() -> None:
-    from specserve.cli import config_error_message
-
-    def branches(*flags):
-        return engine_config_from_args(build_parser().parse_args(["serve", *flags])).mlp_branches
-    assert branches().slices == 0
-    got = branches("--mlp-branches", "4", "--mlp-branch-min-rows", "64")
-    assert (got.slices, got.min_rows) == (4, 64)
-    for flag, value in (("--mlp-branches", "-1"), ("--mlp-branch-min-rows", "0")):
-        with pytest.raises(ValueError) as exc:
-            branches(flag, value)
-        assert config_error_message(exc.value).startswith(f"argument {flag}:")
-
-
 def test_make_serve_defaults_to_the_shipped_eagle3_head() -> None:
     """`make serve` (the README's quickstart) serves the default model with the EAGLE-3 head committed under
     heads/, and that head is shaped for the default model: it loads against SmolLM2-135M's layer count and

@@ -278,6 +278,34 @@ def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.de
     return row
 
 
+def check_table(device: torch.device, reps: int) -> list[dict]:
+    """Each ``quant_tiles.BF16_LT_ALGOS`` entry through the engine's own ``cublaslt_gemm.LtGemm`` at its largest
+    row count, against torch's call on the same operands: output difference and time (as ``problem`` times)."""
+    from specserve.layers import cublaslt_gemm, quant_tiles
+    ctx = cublaslt_gemm.LtContext(device)
+    rows = []
+    for (n, k), entries in quant_tiles.BF16_LT_ALGOS.items():
+        for _, hi, cfg in entries:
+            copies = max(1, -(-400_000_000 // (n * k * 2)))
+            gen = torch.Generator(device=device).manual_seed(n + k)
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                       for _ in range(copies)]
+            x = torch.randn(hi, k, device=device, dtype=torch.bfloat16, generator=gen)
+            gemm = cublaslt_gemm.LtGemm(ctx, n, k, torch.bfloat16, entries)
+            got, want = gemm(x, weights[0]), F.linear(x, weights[0])
+            row = {"n": n, "k": k, "rows": hi, "config": cfg, "served": got is not None}
+            if got is not None:
+                row["max_abs_diff"] = (got.float() - want.float()).abs().max().item()
+                row["torch_us"] = time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights], reps) * 1e6
+                row["lt_us"] = time_calls([lambda w=w, x=x, g=gemm: g(x, w) for w in weights], reps) * 1e6
+                row["speedup"] = row["torch_us"] / row["lt_us"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del weights
+            ge.free(device)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="32,256")
@@ -288,6 +316,8 @@ def main() -> int:
                     help="also time up to this many configurations beyond the heuristic's (LtProblem.search)")
     ap.add_argument("--search-problems", default="qkv.256,o.256,gate_up.256,down.256",
                     help="name.rows problems that get the search")
+    ap.add_argument("--check-table", action="store_true",
+                    help="only: quant_tiles.BF16_LT_ALGOS through the engine's LtGemm against torch (check_table)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -306,6 +336,11 @@ def main() -> int:
                       "rank": "the candidate's place in the cuBLASLt heuristic's order (0 = its first choice)",
                       "step_ms": "sum over one step's GEMMs (32 layers x qkv, o, gate_up, down + the LM head)"},
                   "problems": [], "errors": {}}
+    if args.check_table:
+        data["table_check"] = check_table(device, args.reps)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(data, indent=1))
+        return 0
     rows = [int(r) for r in args.rows.split(",")]
     tiles_seen: set[int] = set()
     wanted = set(args.shapes.split(","))

@@ -359,7 +359,7 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     kv_tok = kv_bytes_per_token(config, dtype)
     out = {"shape": args.big_shape, "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
            "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "async_scheduling": engine.async_scheduling,
-           "by_batch": {}}
+           "cublaslt_layers": engine.cublaslt_layers, "by_batch": {}}
     rep.data["decode"] = out
     for b in args.batches:
         r = time_decode_steps(engine, device, b, args.prompt_len, args.decode_steps)
@@ -387,8 +387,49 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
         ver["by_batch"][str(b)] = row
         print(f"verify b={b:3d}: " + ", ".join(f"q={q} {t * 1e3:.2f} ms (x{row['vs_decode'][q]:.2f})"
                                               for q, t in row["forward_s"].items()), flush=True)
+    lt_layers = [m for m in model.modules() if getattr(m, "lt", None) is not None]
+    if lt_layers:
+        ver["cublaslt_ab"] = cublaslt_ab(runner, lt_layers, device, max(args.verify_batches), args)
     del runner, model
     free(device)
+
+
+def cublaslt_ab(runner: ModelRunner, lt_layers: list, device: torch.device, batch: int, args) -> dict:
+    """The verify figure's steps (q = 1 and 8 at ``batch``) with the projections' measured cuBLASLt configurations
+    (``layers/cublaslt_gemm.py``, as the engine runs them) and without (torch's cuBLAS calls), settings alternated,
+    graphs captured afresh for each; and the verify logits' distance between the two."""
+    saved = [(m, m.lt) for m in lt_layers]
+    inputs = forward_inputs(runner, batch, args.prompt_len, 8)
+    times: dict = {"torch": {1: [], 8: []}, "cublaslt": {1: [], 8: []}}
+    logits = {}
+    for _ in range(args.forward_rounds):
+        for setting in times:
+            for m, lt in saved:
+                m.lt = lt if setting == "cublaslt" else None
+            runner.graphs = None
+            free(device)
+            runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False),
+                                     args.max_model_len, batch)
+            got = time_forwards(runner, device, batch, args.prompt_len, (1, 8), args.forward_iters, 1)
+            for q in (1, 8):
+                times[setting][q].append(got[q])
+            hidden, _ = runner.graphs.run(*inputs)
+            logits[setting] = runner.model.compute_logits(hidden).float()
+    for m, lt in saved:
+        m.lt = lt
+    med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}
+    agree = (logits["cublaslt"].argmax(-1) == logits["torch"].argmax(-1)).float().mean().item()
+    out = {"batch": batch, "layers": len(lt_layers), "step_s": med,
+           "verify8_vs_decode": {k: v[8] / v[1] for k, v in med.items()},
+           "verify8_speedup": med["torch"][8] / med["cublaslt"][8],
+           "decode_speedup": med["torch"][1] / med["cublaslt"][1],
+           "verify_logits_max_abs_diff": (logits["cublaslt"] - logits["torch"]).abs().max().item(),
+           "verify_argmax_agreement": agree}
+    print(f"cuBLASLt configurations at b={batch}: verify8/decode {out['verify8_vs_decode']['torch']:.3f} (torch) -> "
+          f"{out['verify8_vs_decode']['cublaslt']:.3f}, verify x{out['verify8_speedup']:.3f}, decode "
+          f"x{out['decode_speedup']:.3f}, logits diff {out['verify_logits_max_abs_diff']:.3g}, argmax agree "
+          f"{out['verify_argmax_agreement']:.3f}", flush=True)
+    return out
 
 
 def quant_section(rep: Report, args, device: torch.device, dtype: torch.dtype) -> None:

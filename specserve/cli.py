@@ -77,6 +77,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=CudaGraphConfig.draft_steps,
                    help="also capture an EAGLE-3 head's drafting: its ingest forward and all k draft steps "
                         "(one graph per batch bucket, queue length and k), or steps 2..k after a long queue")
+    g.add_argument("--cublaslt-algos", action=argparse.BooleanOptionalAction, default=EngineConfig.cublaslt_algos,
+                   help="run 16-bit projections of verify-sized steps through cuBLASLt with the configurations "
+                        "measured fastest there (needs nvmath-python: pip install specserve[gpu])")
     g = p.add_argument_group("speculative decoding", "the server's default; a request may override method and "
                              "num_spec_tokens with its \"speculative\" field (n-gram lookup is always available)")
     g.add_argument("--spec-method", choices=SPEC_METHODS, default="none",
@@ -154,6 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_model_len=args.max_model_len, async_scheduling=args.async_scheduling),
         speculative=spec_config_from_args(args),
         cuda_graphs=cuda_graph_config_from_args(args),
+        cublaslt_algos=args.cublaslt_algos,
     )
 
 

@@ -96,6 +96,10 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.cublaslt_layers = 0  # projections given a measured cuBLASLt configuration (layers/cublaslt_gemm.py)
+        if config.cublaslt_algos and self.device.type == "cuda":
+            from specserve.layers import cublaslt_gemm, quant_tiles
+            self.cublaslt_layers = cublaslt_gemm.attach(model, quant_tiles.BF16_LT_ALGOS, self.device)
         self.runner = ModelRunner(model, model_config, config.cache, self.device)
         block_size = config.cache.block_size
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings

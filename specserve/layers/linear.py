@@ -14,7 +14,9 @@ On CUDA, 16-bit weights can take a Triton GEMV (``layers/triton_gemv.py``) inste
 ``BF16_GEMV_MIN_WEIGHT`` elements (read at call time; the default is one row, as timed on the H200; 0 keeps
 ``F.linear`` everywhere). Verify-sized row counts of the weight shapes listed in ``quant_tiles.BF16_GEMM_TILES``
 take the Triton tensor-core GEMM (``layers/triton_gemm.py``; empty by default: cuBLAS). ``Linear.forward`` and the
-LM head (``LlamaForCausalLM.compute_logits``) call it."""
+LM head (``LlamaForCausalLM.compute_logits``) call it. A ``Linear`` given an ``LtGemm`` (``layers/cublaslt_gemm.py``:
+``quant_tiles.BF16_LT_ALGOS``, measured cuBLASLt configurations for verify-sized row counts) runs those row counts
+through it first."""
 
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class Linear(nn.Linear):
     # Row counts up to this take ``quant``'s kernel, more take the fp32 path; None: ``use_quant_kernel``'s rule (a
     # target's layers, whose rows must not depend on the rows beside them). A draft head may pick its own.
     quant_max_rows: int | None = None
+    lt: object | None = None  # cublaslt_gemm.LtGemm: a measured cuBLASLt configuration for some row counts (CUDA)
 
     def pack(self, batch_hint: int = 8) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
@@ -120,4 +123,8 @@ class Linear(nn.Linear):
             return quant_linear(x, self.quant, self.bias, self.activation_quant)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.lt is not None:
+            out = self.lt(x, self.weight)
+            if out is not None:
+                return out
         return dense_linear(x, self.weight, self.bias)

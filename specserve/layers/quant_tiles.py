@@ -216,9 +216,29 @@ FUSED_MLP_ONE_ROW: dict | None = None
 # every Llama-3.1-8B weight at M = 256 and all but gate_up at M = 128 (x1.04 there, no measurable step gain;
 # benchmarks/results/triton_gemm_gpu.json). cuBLASLt's other heuristic candidates for the same GEMMs win x1.00-1.07
 # per GEMM over torch's cuBLAS call on an H100, 2% of the GEMM time at 256 rows and 1% at 32 (benchmarks/
-# cublaslt_algos_gpu.py, results/cublaslt_algos_h100.json): not adopted.
+# cublaslt_algos_gpu.py, results/cublaslt_algos_h100.json); configurations beyond the heuristic's do better at 256
+# rows: BF16_LT_ALGOS below.
 BF16_GEMM_MIN_ROWS = 64
 BF16_GEMM_TILES: dict[tuple[int, int], dict[int, TileConfig | None]] = {}
+
+# 16-bit weights at verify row counts through cuBLASLt with a measured algorithm configuration (layers/
+# cublaslt_gemm.py; EngineConfig.cublaslt_algos): weight shape (N, K) -> [(lo, hi, config)], an entry serving
+# lo < M <= hi rows. The configurations are those cuBLASLt's search found fastest on the H200 at 256 rows (a batch
+# of 32 x 8 verify tokens), beyond the 8 candidates its heuristic offers (benchmarks/cublaslt_algos_gpu.py
+# --search-max 100, results/cublaslt_search_h200.json): per call o_proj 17.5 -> 14.5 us, down 48.2 -> 44.5,
+# qkv 21.6 -> 19.9, gate_up 89.1 -> 86.0 (x1.20 / 1.08 / 1.09 / 1.04 over torch's call, same output but for one
+# bf16 rounding step on down), 0.37 ms over the 32 layers of a verify step. At 32 rows the heuristic's first choice
+# was already the fastest (x1.00, cublaslt_search_32_h200.json): decode steps keep torch's call. Algorithm 66 of
+# sm_90's cuBLASLt; cublasLtMatmulAlgoCheck vets each for the GPU at hand (rejected: torch's call).
+_LT_O_DOWN = {"id": 66, "tile_id": 18, "stages_id": 35, "splitk_num": 1, "custom_option": 0, "cluster_shape_id": 2}
+BF16_LT_ALGOS: dict[tuple[int, int], list[tuple[int, int, dict]]] = {
+    (6144, 4096): [(192, 256, {"id": 66, "tile_id": 28, "stages_id": 35, "splitk_num": 1, "custom_option": 4,
+                               "cluster_shape_id": 2})],  # Llama-3.1-8B qkv: TILE_96x128
+    (4096, 4096): [(192, 256, _LT_O_DOWN)],  # o_proj: TILE_128x64
+    (28672, 4096): [(192, 256, {"id": 66, "tile_id": 165, "stages_id": 35, "splitk_num": 1, "custom_option": 2,
+                                "cluster_shape_id": 5})],  # gate_up: TILE_112x128
+    (4096, 14336): [(192, 256, _LT_O_DOWN)],  # down: TILE_128x64
+}
 
 
 def bf16_gemm_config(m: int, n: int, k: int) -> TileConfig | None:

@@ -389,7 +389,11 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
                                               for q, t in row["forward_s"].items()), flush=True)
     lt_layers = [m for m in model.modules() if getattr(m, "lt", None) is not None]
     if lt_layers:
-        ver["cublaslt_ab"] = cublaslt_ab(runner, lt_layers, device, max(args.verify_batches), args)
+        try:
+            ver["cublaslt_ab"] = cublaslt_ab(runner, lt_layers, device, max(args.verify_batches), args)
+        except Exception as exc:  # the figures above stand without it
+            rep.data["errors"]["verify.cublaslt_ab"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+            print(f"!!! cuBLASLt A/B failed: {exc}", flush=True)
     del runner, model
     free(device)
 
@@ -413,8 +417,9 @@ def cublaslt_ab(runner: ModelRunner, lt_layers: list, device: torch.device, batc
             got = time_forwards(runner, device, batch, args.prompt_len, (1, 8), args.forward_iters, 1)
             for q in (1, 8):
                 times[setting][q].append(got[q])
-            hidden, _ = runner.graphs.run(*inputs)
-            logits[setting] = runner.model.compute_logits(hidden).float()
+            with torch.inference_mode():
+                hidden, _ = runner.graphs.run(*inputs)
+                logits[setting] = runner.model.compute_logits(hidden).float()
     for m, lt in saved:
         m.lt = lt
     med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}
@@ -690,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-gemm-table", default=None,
                     help="JSON of quant_tiles.BF16_GEMM_TILES entries to use instead of the module's (as "
                          "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
+    ap.add_argument("--sections", default="machine,bandwidth,decode_and_verify,quantized,e2e",
+                    help="which sections to run (the summary names only the figures they measure)")
     args = ap.parse_args(argv)
     import os
     gemm_table_json = json.loads(Path(args.bf16_gemm_table).read_text()) if args.bf16_gemm_table else None
@@ -716,11 +723,15 @@ def main(argv: list[str] | None = None) -> int:
     rep = Report(" ".join(["python", *sys.argv]), args.out)
     if gemm_table_json is not None:
         rep.data["bf16_gemm_table"] = gemm_table_json
-    rep.section("machine", machine_section, rep, device)
-    rep.section("bandwidth", bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26)
-    rep.section("decode_and_verify", decode_section, rep, args, device, dtype)
-    rep.section("quantized", quant_section, rep, args, device, dtype)
-    rep.section("e2e", e2e_section, rep, args, device, dtype)
+    sections = {"machine": (machine_section, rep, device),
+                "bandwidth": (bandwidth_section, rep, device, 2**30 if device.type == "cuda" else 2**26),
+                "decode_and_verify": (decode_section, rep, args, device, dtype),
+                "quantized": (quant_section, rep, args, device, dtype),
+                "e2e": (e2e_section, rep, args, device, dtype)}
+    wanted = args.sections.split(",")
+    for name, (fn, *fn_args) in sections.items():
+        if name in wanted:
+            rep.section(name, fn, *fn_args)
     summarize(rep)
     rep.data["total_seconds"] = round(rep.elapsed(), 1)
     print_table(rep.data)

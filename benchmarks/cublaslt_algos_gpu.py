@@ -25,7 +25,8 @@ scheme, cluster shape, the heuristic's waves estimate, microseconds, error again
 ``--search-max N`` also times up to N configurations beyond the heuristic's for the ``--search-problems``
 (``LtProblem.search``: every tile of the heuristic's algorithm x cluster shape x custom option that
 ``cublasLtMatmulAlgoCheck`` accepts; the heuristic's tiles first, then the best-filled waves, then larger tiles).
-Not run yet: the device time of stop 40 ran out.
+``--check-table`` runs only the committed ``quant_tiles.BF16_LT_ALGOS`` through the engine's own
+``layers/cublaslt_gemm.LtGemm`` against torch's call (output difference and time).
 
 Reading (stop 40, one H100 run, heuristic candidates only: ``results/cublaslt_algos_h100.json``): the heuristic
 offers 8 candidates per problem, all of algorithm 66 (the nvjet kernels), and its first times as torch's call does
@@ -34,6 +35,15 @@ x1.056, the LM head x1.05 / x1.03 at 32 / 256 rows, gate_up at 256 rows x1.014. 
 5.66 ms at 32 rows, 6.89 -> 6.74 ms at 256 (GEMM-only verify / decode 1.203 -> 1.190). Those fractions applied to
 the H200's steps would move verify8_vs_decode_b32 from 1.444 to about 1.43, a third of the 0.044 the bar needs, for
 a new dependency and per-GPU algorithm tables: not adopted.
+
+Reading (stop 41, H200, ``--search-max 100``: ``results/cublaslt_search_h200.json``, ``_32_h200``, ``_head_h200``):
+beyond the heuristic's 8 candidates the search found faster configurations at 256 rows, all of algorithm 66 with
+split-K 1: o_proj 17.5 -> 14.5 us (x1.20, TILE_128x64, cluster id 2), down 48.2 -> 44.5 (x1.08, the same tile;
+outputs one bf16 rounding step apart), qkv 21.6 -> 19.9 (x1.09, TILE_96x128, custom option 4), gate_up 89.1 ->
+86.0 (x1.04, TILE_112x128, custom option 2, cluster id 5): 11.5 us a layer, 0.37 ms over a verify step's 32 layers
+(the LM head x1.015). At 32 rows the heuristic's first choice stayed the fastest (x1.00). Those configurations are
+``quant_tiles.BF16_LT_ALGOS``, run by ``layers/cublaslt_gemm.py`` when ``EngineConfig.cublaslt_algos`` is on (off
+until the engine's verify step is timed with them: ``gpu_engine.py --cublaslt-algos``).
 """
 
 from __future__ import annotations

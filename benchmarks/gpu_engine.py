@@ -106,12 +106,13 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
 
 def engine_for(model, config: ModelConfig, device: torch.device, max_num_seqs: int, kv_gib: float,
                max_model_len: int, budget: int, spec: SpecConfig | None = None, proposers: dict | None = None,
-               draft_graphs: bool = False):
+               draft_graphs: bool = False, cublaslt_algos: bool = EngineConfig.cublaslt_algos):
     cfg = EngineConfig(model="bench", device=str(device), cache=CacheConfig(block_size=BLOCK_SIZE,
                                                                              kv_cache_memory_gib=kv_gib),
                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                                  max_model_len=max_model_len),
-                       speculative=spec or SpecConfig(), cuda_graphs=CudaGraphConfig(draft_steps=draft_graphs))
+                       speculative=spec or SpecConfig(), cuda_graphs=CudaGraphConfig(draft_steps=draft_graphs),
+                       cublaslt_algos=cublaslt_algos)
     return LLMEngine(cfg, model, config, None, proposers=proposers)
 
 
@@ -353,7 +354,7 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     config = shape_config(args.big_shape)
     model = dummy_model(config, args.max_model_len, dtype, device)
     engine = engine_for(model, config, device, max(args.batches), args.kv_gib, args.max_model_len,
-                        args.prefill_budget, proposers={})
+                        args.prefill_budget, proposers={}, cublaslt_algos=args.cublaslt_algos)
     bw = rep.data.get("copy_bandwidth_gb_s", float("nan")) * 1e9
     wbytes = step_weight_bytes(model)
     kv_tok = kv_bytes_per_token(config, dtype)
@@ -695,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-gemm-table", default=None,
                     help="JSON of quant_tiles.BF16_GEMM_TILES entries to use instead of the module's (as "
                          "benchmarks/triton_gemm_gpu.py --table-out writes): try a table before committing it")
+    ap.add_argument("--cublaslt-algos", action=argparse.BooleanOptionalAction, default=EngineConfig.cublaslt_algos,
+                    help="decode and verify section: the engine's --cublaslt-algos (with it, also an A/B of the "
+                         "verify figure without them)")
     ap.add_argument("--sections", default="machine,bandwidth,decode_and_verify,quantized,e2e",
                     help="which sections to run (the summary names only the figures they measure)")
     args = ap.parse_args(argv)

@@ -32,7 +32,14 @@ model's), settings alternated over ``--rounds``; ``verify8_vs_decode`` per setti
     python benchmarks/mlp_branches_gpu.py --engine --rows 256 --slices 2 --streams 2 --out $OUT/mlp_branches_gpu.json
     python benchmarks/mlp_branches_gpu.py --device cpu --smoke   # the maths of every variant, eagerly, on CPU
 
-Written at stop 40 and not yet run on a GPU (that session's device time went to machines that did not start).
+Reading (stop 41, one H200 run, ``results/mlp_branches_h200.json``; taken at 47ab3b6, where ``--engine`` split the
+engine's own MLPs in place, gate|up's rows interleaved per slice, rather than patching copies as here): the branches
+lose at every row count. Per MLP at 256 rows: fused 143.4 us (629 TFLOP/s), c2_s2 150.4, c2_s1 160.1, c4_s2 169.9;
+at 32 rows c2_s2 ties (94.0 vs 93.0 us). The fp32 sum of two partials alone costs 5.3 us (``sum_us``), more than
+the second stream wins back. In the engine at batch 32 (same weights, branches on or off by step size): verify
+7.907 -> 8.039 ms, decode 5.475 -> 5.464 ms, verify8_vs_decode 1.444 -> 1.471, logits equal bit for bit; a
+gpu_engine.py run with the branches gave 1.460 (``gpu_engine_h200_mlp_branches.json``). Not adopted; the engine
+code was reverted (c131d10).
 """
 
 from __future__ import annotations

@@ -26,9 +26,12 @@ above). Methods (``VARIANTS``; a name starting with ``int4`` quantizes to INT4, 
   of 128, loads in-step; ``int4_ahead32_w8`` / ``int4_ahead32_bn32``: the 32-row bucket with the lookahead
   (``OPERANDS_AHEAD_MAX_ROWS`` 32) and 8 warps / 32-column tiles (the committed 32-row tile lost with it at stop
   39). Prepared at stop 40 for INT4's batch-32 step, slower than bf16's (x0.93 on an H100,
-  ``gpu_engine_h100_stop40.json``); not run yet. Compiled for sm_90 (ptxas -v): 128 / 80 registers a thread for the
-  committed tile without / with the lookahead, 64 / 62 with 8 warps, 168 / 164 with K tiles of 128, 64 / 66 with 32
-  columns; no spills.
+  ``gpu_engine_h100_stop40.json``). Compiled for sm_90 (ptxas -v): 128 / 80 registers a thread for the stop-40 tile
+  (K tiles of 64) without / with the lookahead, 64 / 62 with 8 warps, 168 / 164 with K tiles of 128, 64 / 66 with
+  32 columns; no spills. Run at stop 41 on the H200 (``results/quant_rows_r32_h200.json``; batch-32 decode step /
+  32-row verify forward, ms): int4 (then K tiles of 64) 7.37 / 7.24, int4_r32_bk128 7.00 / 6.71, int4_r32_w8 8.21 /
+  7.86, int4_ahead32_w8 8.19 / 7.86, int4_ahead32_bn32 8.99 / 8.26 (bf16 5.20 / 5.22). K tiles of 128 are committed
+  since; ``int4`` now runs them and ``int4_r32_bk128`` repeats it, the others stay relative to the stop-40 tile.
 
 (Stop 37 also timed ``int4_nib64`` / ``int4_nib128``, a W4A16 form with one MMA per nibble position, in
 ``quant_rows_ab_int4_h100.json``: x0.26-0.99 of the committed INT4 step at batch 8-32, so it was removed.)
@@ -68,7 +71,7 @@ _DOT_K256 = TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split
 _MMA_N32 = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
 _DOT_PF1 = dataclasses.replace(_DOT, prefetch=1)
 _DOT_PF2 = dataclasses.replace(_DOT, prefetch=2)
-_INT4_R32 = TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=32)  # as committed
+_INT4_R32 = TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=32)  # stop 40's
 _INT4_R32_W8 = dataclasses.replace(_INT4_R32, num_warps=8)
 _INT4_R32_BK128 = dataclasses.replace(_INT4_R32, block_k=128)
 _INT4_R32_BN32 = dataclasses.replace(_INT4_R32, block_n=32)

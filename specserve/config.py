@@ -210,9 +210,10 @@ class EngineConfig:
     speculative: SpecConfig = field(default_factory=SpecConfig)
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # On CUDA, run 16-bit projections at the row counts of ``quant_tiles.BF16_LT_ALGOS`` (verify steps) through
-    # cuBLASLt with the configuration measured fastest there (layers/cublaslt_gemm.py; needs nvmath-python, the
-    # ``gpu`` extra; without it, or elsewhere, torch's cuBLAS call).
-    cublaslt_algos: bool = True
+    # cuBLASLt with the configuration measured fastest there per GEMM (layers/cublaslt_gemm.py; needs
+    # nvmath-python, the ``gpu`` extra; without it, or elsewhere, torch's cuBLAS call). Off until the engine's
+    # verify step has been timed with it on a GPU (benchmarks/gpu_engine.py --cublaslt-algos).
+    cublaslt_algos: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",

@@ -123,6 +123,32 @@ class LtGemm:
         self.plans[m] = plan
         return plan
 
+    def vet(
+        self,
+        w: torch.Tensor,  # [N, K]: a weight this GEMM will serve
+        tolerance: float = 1 / 64,
+    ) -> bool:
+        """Run each entry's largest row count once on random rows against torch's call (``F.linear``), before any
+        graph is captured: True when every served count agrees to within ``tolerance`` x the largest output (a few
+        bf16 rounding steps: the sums' order differs) and cuBLASLt accepted at least one; a configuration that
+        fails is dropped (its rows keep torch's call)."""
+        import torch.nn.functional as F
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        served = False
+        for i, (_, hi, _) in enumerate(self.entries):
+            x = torch.randn(hi, self.k, device=w.device, dtype=self.dtype, generator=gen)
+            got = self(x, w)
+            if got is None:
+                continue
+            want = F.linear(x, w).float()
+            if (got.float() - want).abs().max().item() <= tolerance * want.abs().max().item():
+                served = True
+            else:
+                self.entries = [e for j, e in enumerate(self.entries) if j != i]
+                self.plans.clear()
+                return self.vet(w, tolerance)
+        return served
+
     def __call__(
         self,
         x: torch.Tensor,  # [M, K], contiguous, self.dtype, on the context's device
@@ -151,8 +177,8 @@ def attach(
     device: torch.device,
 ) -> int:
     """Give every bias-free 16-bit ``Linear`` of ``model`` whose weight shape has a ``table`` entry an ``LtGemm``
-    (``Linear.lt``), sharing one ``LtContext``; returns how many got one (0 off CUDA, without nvmath-python or
-    without matching layers)."""
+    (``Linear.lt``), sharing one ``LtContext``, once ``LtGemm.vet`` has checked it against torch's call on the
+    layer's own weight; returns how many got one (0 off CUDA, without nvmath-python or matching layers)."""
     if device.type != "cuda" or not table or bindings() is None:
         return 0
     layers = served_layers(model, table)
@@ -165,4 +191,9 @@ def attach(
         if key not in gemms:
             gemms[key] = LtGemm(ctx, *layer.weight.shape, layer.weight.dtype, table[tuple(layer.weight.shape)])
         layer.lt = gemms[key]
-    return len(layers)
+    vetted = {key: gemm.vet(next(m.weight for m in layers if m.lt is gemm)) for key, gemm in gemms.items()}
+    kept = [m for m in layers if vetted[(*m.weight.shape, m.weight.dtype)]]
+    for layer in layers:
+        if layer not in kept:
+            layer.lt = None
+    return len(kept)

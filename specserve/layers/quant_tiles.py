@@ -160,11 +160,15 @@ W8A16_TILES = TileTable(
 )
 
 # INT4 group-wise weights (AWQ layout) x 16-bit activations: every M (prefill too) runs through this kernel.
+# Rows 17-32 take K tiles of 128 since stop 41 (64 before): on the H200, side by side in one run
+# (benchmarks/quant_rows_ab_gpu.py, results/quant_rows_r32_h200.json, method int4_r32_bk128), the batch-32 decode
+# step 7.37 -> 7.00 ms and the 32-row verify forward (batch 4 x 8 tokens) 7.24 -> 6.71 ms; 8 warps instead lost
+# (8.21 / 7.86 ms), and so did the lookahead at 32 rows with 8 warps or 32-column tiles. Not yet timed on an H100.
 W4A16_TILES = TileTable(
     by_rows={
         1: TileConfig(block_n=128, block_k=128, num_warps=4, num_stages=1, split_k=0, use_dot=False),
         16: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, block_m=16),
-        32: TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=32),
+        32: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, block_m=32),
         64: TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=0, block_m=64),
         256: TileConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64),
         4096: TileConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128),

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specserve.layers import quant_tiles
-from specserve.layers.cublaslt_gemm import CONFIG_FIELDS, attach, entry_for, served_layers
+from specserve.layers.cublaslt_gemm import CONFIG_FIELDS, LtGemm, attach, entry_for, served_layers
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.shapes import shape_config
 
@@ -55,3 +55,28 @@ def test_cpu_models_get_no_configuration_and_keep_their_outputs() -> None:
     n, k = model.layers[0].mlp.down_proj.weight.shape
     assert attach(model, {(n, k): [(0, 1 << 20, {"id": 66})]}, torch.device("cpu")) == 0
     assert all(getattr(m, "lt", None) is None for m in model.modules())
+
+
+class FakeGemm(LtGemm):
+    """``LtGemm.vet``'s logic without cuBLASLt: entries whose config says ``"wrong"`` give a perturbed product,
+    ``"rejected"`` none (as a configuration cuBLASLt refuses), others torch's own."""
+
+    def __init__(self, k: int, entries: list) -> None:  # noqa: D107 - no context, no descriptors
+        self.k, self.dtype, self.entries, self.plans = k, torch.float32, entries, {}
+
+    def __call__(self, x, w):
+        cfg = self.config_for(x.shape[0])
+        if cfg is None or cfg.get("rejected"):
+            return None
+        out = torch.nn.functional.linear(x, w)
+        return out + 0.1 * out.abs().max() if cfg.get("wrong") else out
+
+
+def test_vet_keeps_agreeing_configurations_and_drops_wrong_ones() -> None:
+    w = torch.randn(6, 5)
+    good, wrong, refused = {"id": 1}, {"id": 2, "wrong": True}, {"id": 3, "rejected": True}
+    gemm = FakeGemm(5, [(0, 4, good), (4, 8, wrong), (8, 12, refused)])
+    assert gemm.vet(w)
+    assert [cfg for _, _, cfg in gemm.entries] == [good, refused]
+    assert not FakeGemm(5, [(4, 8, wrong)]).vet(w)  # nothing left to serve
+    assert not FakeGemm(5, [(8, 12, refused)]).vet(w)

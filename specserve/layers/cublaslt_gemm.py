@@ -20,6 +20,8 @@ memory is the row-major [2, 3] matrix ``x @ w.T``.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # cudaDataType_t codes
@@ -59,6 +61,12 @@ def served_layers(
             and m.weight.dtype in DATA_TYPES and tuple(m.weight.shape) in table]
 
 
+def _destroy(lt, desc: int, layouts: list[int]) -> None:
+    for layout in layouts:
+        lt.matrix_layout_destroy(layout)
+    lt.matmul_desc_destroy(desc)
+
+
 class LtContext:
     """One cuBLASLt handle and workspace on ``device``, shared by a model's ``LtGemm``s (one stream at a time)."""
 
@@ -68,6 +76,7 @@ class LtContext:
         self.device = device
         with torch.cuda.device(device):
             self.handle = self.lt.create()
+        weakref.finalize(self, self.lt.destroy, self.handle)  # the handle goes with the last LtGemm using it
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.alpha = np.array([1.0], dtype=np.float32)
         self.beta = np.array([0.0], dtype=np.float32)
@@ -88,6 +97,8 @@ class LtGemm:
         lt.matmul_desc_set_attribute(self.desc, int(lt.MatmulDescAttribute.TRANSA), self._transa.ctypes.data, 4)
         self.a_layout = lt.matrix_layout_create(DATA_TYPES[dtype], k, n, k)
         self.plans: dict[int, tuple | None] = {}  # rows -> (b_layout, d_layout, algo, workspace bytes) | None
+        self._layouts: list[int] = [self.a_layout]  # every layout made, destroyed with the descriptor
+        weakref.finalize(self, _destroy, lt, self.desc, self._layouts)
 
     def config_for(self, m: int) -> dict | None:
         return entry_for(self.entries, m)
@@ -103,6 +114,7 @@ class LtGemm:
             code = DATA_TYPES[self.dtype]
             b_layout = lt.matrix_layout_create(code, self.k, m, self.k)
             d_layout = lt.matrix_layout_create(code, self.n, m, self.n)
+            self._layouts += [b_layout, d_layout]
             algo = np.zeros(1, dtype=lt.matmul_algo_dtype)
             lt.matmul_algo_init(self.ctx.handle, int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F, code, code, code,
                                 code, int(cfg["id"]), algo.ctypes.data)

@@ -20,9 +20,12 @@ memory is the row-major [2, 3] matrix ``x @ w.T``.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # cudaDataType_t codes
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
@@ -116,21 +119,21 @@ class LtGemm:
             d_layout = lt.matrix_layout_create(code, self.n, m, self.n)
             self._layouts += [b_layout, d_layout]
             algo = np.zeros(1, dtype=lt.matmul_algo_dtype)
-            lt.matmul_algo_init(self.ctx.handle, int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F, code, code, code,
-                                code, int(cfg["id"]), algo.ctypes.data)
-            for name in CONFIG_FIELDS:
-                if name in cfg:
-                    attr = int(getattr(lt.MatmulAlgoConfigAttribute, name.upper()))
-                    buf = np.array([cfg[name]], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
-                    lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
             check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
-            try:
+            try:  # an algorithm or field this GPU / cuBLASLt lacks, or a rejected configuration: torch's call
+                lt.matmul_algo_init(self.ctx.handle, int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F, code, code,
+                                    code, code, int(cfg["id"]), algo.ctypes.data)
+                for name in CONFIG_FIELDS:
+                    if name in cfg:
+                        attr = int(getattr(lt.MatmulAlgoConfigAttribute, name.upper()))
+                        buf = np.array([cfg[name]], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
+                        lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
                 lt.matmul_algo_check(self.ctx.handle, self.desc, self.a_layout, b_layout, d_layout, d_layout,
                                      algo.ctypes.data, check.ctypes.data)
                 workspace = int(check[0]["workspace_size"])
                 if workspace <= WORKSPACE_BYTES:
                     plan = (b_layout, d_layout, algo, workspace)
-            except Exception:  # noqa: BLE001 - rejected for this problem: torch's call
+            except Exception:  # noqa: BLE001
                 plan = None
         self.plans[m] = plan
         return plan
@@ -196,7 +199,11 @@ def attach(
     layers = served_layers(model, table)
     if not layers:
         return 0
-    ctx = LtContext(device)
+    try:
+        ctx = LtContext(device)
+    except Exception as exc:  # noqa: BLE001 - cuBLASLt unusable here: every layer keeps torch's call
+        logger.warning("cuBLASLt configurations unused: %s", exc)
+        return 0
     gemms: dict[tuple, LtGemm] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype)

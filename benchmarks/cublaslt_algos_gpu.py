@@ -60,7 +60,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from benchmarks.triton_gemm_gpu import llama8b_shapes, time_calls  # noqa: E402
+from benchmarks.triton_gemm_gpu import gemm_operands, llama8b_shapes, time_calls  # noqa: E402
+from specserve.layers.cublaslt_gemm import CUDA_R_16BF, CUDA_R_32F, matmul_desc, set_algo_config  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
 SHAPES = llama8b_shapes()  # name -> (out_features, in_features, float32 output): Llama-3.1-8B
@@ -83,14 +84,11 @@ class LtProblem:
 
     def __init__(self, m: int, n: int, k: int, float_out: bool, limit: int) -> None:
         import numpy as np
-        from nvmath.bindings import cublas
         from nvmath.bindings import cublasLt as lt
         self.lt, self.np = lt, np
-        bf16, f32 = 14, 0  # cudaDataType CUDA_R_16BF, CUDA_R_32F
+        bf16, f32 = CUDA_R_16BF, CUDA_R_32F
         self.handle = lt.create()
-        self.desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), f32)
-        self._transa = np.array([int(cublas.Operation.T)], dtype=np.int32)
-        lt.matmul_desc_set_attribute(self.desc, int(lt.MatmulDescAttribute.TRANSA), self._transa.ctypes.data, 4)
+        self.desc, self._transa = matmul_desc(lt)
         self.a_layout = lt.matrix_layout_create(bf16, k, n, k)
         self.b_layout = lt.matrix_layout_create(bf16, k, m, k)
         self._d_type = f32 if float_out else bf16
@@ -171,7 +169,7 @@ class LtProblem:
         candidates (``results``), so ``call`` and ``describe`` take their indices too."""
         lt, np = self.lt, self.np
         from nvmath.bindings import cublas
-        bf16 = 14
+        bf16 = CUDA_R_16BF
         d_type = self._d_type
         described = [self.describe(i) for i in range(self.count)]
         ids = sorted({int(d["id"]) for d in described})
@@ -180,19 +178,16 @@ class LtProblem:
         check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
         for algo_id in ids:
             base = np.zeros(1, dtype=lt.matmul_algo_dtype)
-            lt.matmul_algo_init(self.handle, int(cublas.ComputeType.COMPUTE_32F), 0, bf16, bf16, d_type, d_type,
-                                algo_id, base.ctypes.data)
+            lt.matmul_algo_init(self.handle, int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F, bf16, bf16, d_type,
+                                d_type, algo_id, base.ctypes.data)
             tiles = self._cap_array(base, "TILE_IDS")
             co_max = max(self._cap_array(base, "CUSTOM_OPTION_MAX"), default=0)
             for tile in tiles:
                 for cluster in (0, 2, 3, 4, 5, 6, 7, 9):
                     for co in range(co_max + 1):
                         algo = base.copy()
-                        for name, value in (("TILE_ID", tile), ("STAGES_ID", stages), ("SPLITK_NUM", 1),
-                                            ("CLUSTER_SHAPE_ID", cluster), ("CUSTOM_OPTION", co)):
-                            attr = int(getattr(lt.MatmulAlgoConfigAttribute, name))
-                            buf = np.array([value], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
-                            lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
+                        set_algo_config(lt, algo, {"tile_id": tile, "stages_id": stages, "splitk_num": 1,
+                                                   "cluster_shape_id": cluster, "custom_option": co})
                         try:
                             lt.matmul_algo_check(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
                                                  self.d_layout, algo.ctypes.data, check.ctypes.data)
@@ -239,10 +234,8 @@ def problem(name: str, n: int, k: int, float_out: bool, m: int, device: torch.de
     """Time torch's call and every cuBLASLt candidate for ``x [m, k] @ w.T`` (``w`` [n, k]); with ``search_max``,
     also up to that many configurations beyond the heuristic's (``LtProblem.search``)."""
     dtype = torch.bfloat16
-    copies = max(1, -(-400_000_000 // (n * k * 2)))
-    gen = torch.Generator(device=device).manual_seed(n + k + m)
-    weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    weights, x = gemm_operands(n, k, m, device, n + k + m)
+    copies = len(weights)
 
     def torch_call(w):
         return (lambda: torch.mm(x, w.t(), out_dtype=torch.float32)) if float_out else (lambda: F.linear(x, w))
@@ -296,11 +289,7 @@ def check_table(device: torch.device, reps: int) -> list[dict]:
     rows = []
     for (n, k), entries in quant_tiles.BF16_LT_ALGOS.items():
         for _, hi, cfg in entries:
-            copies = max(1, -(-400_000_000 // (n * k * 2)))
-            gen = torch.Generator(device=device).manual_seed(n + k)
-            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-                       for _ in range(copies)]
-            x = torch.randn(hi, k, device=device, dtype=torch.bfloat16, generator=gen)
+            weights, x = gemm_operands(n, k, hi, device, n + k)
             gemm = cublaslt_gemm.LtGemm(ctx, n, k, torch.bfloat16, entries)
             got, want = gemm(x, weights[0]), F.linear(x, weights[0])
             row = {"n": n, "k": k, "rows": hi, "config": cfg, "served": got is not None}

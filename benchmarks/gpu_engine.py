@@ -399,6 +399,24 @@ def decode_section(rep: Report, args, device: torch.device, dtype: torch.dtype) 
     free(device)
 
 
+def recapture(runner: ModelRunner, batch: int, max_model_len: int = 2048) -> None:
+    """Fresh graphs for ``batch`` (captured on first use) under the settings now in force; the old pool freed
+    first."""
+    runner.graphs = None
+    free(runner.device)
+    runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False), max_model_len, batch)
+
+
+@torch.inference_mode()
+def logits_of(runner: ModelRunner, inputs, graphs: bool) -> torch.Tensor:
+    """[tokens, vocab]: the target forward + LM head over ``forward_inputs``' tuple, replayed from the runner's
+    graphs or eager."""
+    ids, positions, query_lens, seq_lens, tables = inputs
+    forward = runner.graphs.run if graphs else runner.forward
+    hidden, _ = forward(ids, positions, query_lens, seq_lens, tables)
+    return runner.model.compute_logits(hidden).clone()
+
+
 def cublaslt_ab(runner: ModelRunner, lt_layers: list, device: torch.device, batch: int, args) -> dict:
     """The verify figure's steps (q = 1 and 8 at ``batch``) with the projections' measured cuBLASLt configurations
     (``layers/cublaslt_gemm.py``, as the engine runs them) and without (torch's cuBLAS calls), settings alternated,
@@ -411,16 +429,11 @@ def cublaslt_ab(runner: ModelRunner, lt_layers: list, device: torch.device, batc
         for setting in times:
             for m, lt in saved:
                 m.lt = lt if setting == "cublaslt" else None
-            runner.graphs = None
-            free(device)
-            runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False),
-                                     args.max_model_len, batch)
+            recapture(runner, batch, args.max_model_len)
             got = time_forwards(runner, device, batch, args.prompt_len, (1, 8), args.forward_iters, 1)
             for q in (1, 8):
                 times[setting][q].append(got[q])
-            with torch.inference_mode():
-                hidden, _ = runner.graphs.run(*inputs)
-                logits[setting] = runner.model.compute_logits(hidden).float()
+            logits[setting] = logits_of(runner, inputs, graphs=True).float()
     for m, lt in saved:
         m.lt = lt
     med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}

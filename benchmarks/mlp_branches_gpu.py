@@ -218,7 +218,6 @@ def patch_branches(model, num_slices: int, num_streams: int, min_rows: int, devi
 def engine_ab(args) -> dict:
     """Decode and verify steps of the engine's runner with the MLP fused and as branches (module docstring)."""
     import benchmarks.gpu_engine as ge
-    import benchmarks.pdl_gpu as pdl_gpu
     from specserve.config import CacheConfig
     from specserve.engine.model_runner import ModelRunner
 
@@ -235,11 +234,11 @@ def engine_ab(args) -> dict:
         for setting in ("fused", name):
             restore = patch_branches(model, c, s, args.min_rows, device) if setting == name else (lambda: None)
             try:
-                pdl_gpu.capture(runner, batch)
+                ge.recapture(runner, batch)
                 got = ge.time_forwards(runner, device, batch, context, (1, 8), args.iters, 1)
                 for q in (1, 8):
                     times[setting][q].append(got[q])
-                logits[setting] = pdl_gpu.logits_of(runner, inputs, graphs=True).float()
+                logits[setting] = ge.logits_of(runner, inputs, graphs=True).float()
             finally:
                 restore()
     med = {k: {q: statistics.median(v) for q, v in t.items()} for k, t in times.items()}

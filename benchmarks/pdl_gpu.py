@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from specserve.config import CacheConfig, CudaGraphConfig  # noqa: E402
+from specserve.config import CacheConfig  # noqa: E402
 from specserve.engine.model_runner import ModelRunner  # noqa: E402
 from specserve.layers import triton_ops, triton_pdl  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
@@ -39,19 +39,6 @@ CASES = (("llama-3.1-8b", None, 1, 1), ("llama-3.1-8b", "fp8", 1, 1), ("llama-3.
          ("smollm2-135m", None, 32, 1))
 
 
-@torch.inference_mode()
-def logits_of(runner: ModelRunner, inputs, graphs: bool) -> torch.Tensor:
-    ids, positions, query_lens, seq_lens, tables = inputs
-    forward = runner.graphs.run if graphs else runner.forward
-    hidden, _ = forward(ids, positions, query_lens, seq_lens, tables)
-    return runner.model.compute_logits(hidden).clone()
-
-
-def capture(runner: ModelRunner, batch: int) -> None:
-    """Fresh graphs (captured on first use) for the current ``triton_pdl.ENABLED``; the old pool freed first."""
-    runner.graphs = None
-    ge.free(runner.device)
-    runner.setup_cuda_graphs(CudaGraphConfig(batch_sizes=(batch,), capture_at_startup=False), 2048, batch)
 
 
 # FP8 decode at batch 1 and 8, a batch-1 verify of k = 5 drafts, and the default model's shape
@@ -80,16 +67,16 @@ def run_case(runner: ModelRunner, device: torch.device, batch: int, query_len: i
     eager = {}
     for setting in SETTINGS:
         apply(setting)
-        eager[setting] = logits_of(runner, inputs, graphs=False)
+        eager[setting] = ge.logits_of(runner, inputs, graphs=False)
     times: dict[str, list[float]] = {s: [] for s in SETTINGS}
     graph_logits = {}
     for _ in range(rounds):
         for setting in SETTINGS:
             apply(setting)
-            capture(runner, batch)
+            ge.recapture(runner, batch)
             torch.manual_seed(0)
             times[setting].append(ge.time_forward(runner, device, batch, context, query_len, iters))
-            graph_logits[setting] = logits_of(runner, inputs, graphs=True)
+            graph_logits[setting] = ge.logits_of(runner, inputs, graphs=True)
     step = {s: statistics.median(t) for s, t in times.items()}
     base = next(iter(SETTINGS))
     return {"batch": batch, "query_len": query_len, "context": context, "step_s": step,

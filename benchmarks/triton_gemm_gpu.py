@@ -70,12 +70,18 @@ def time_calls(calls: list, reps: int) -> float:
     return ge.graph_time_s(body) / (reps * len(calls))
 
 
-def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int) -> dict:
-    dtype = torch.bfloat16
+def gemm_operands(n: int, k: int, m: int, device: torch.device, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """bf16 operands of ``x @ w.T`` drawn from one generator seeded ``seed``: as many [n, k] weight copies as hold
+    >= 400 MB (so a pass over them streams from HBM, not L2), then x [m, k]."""
     copies = max(1, -(-400_000_000 // (n * k * 2)))
-    gen = torch.Generator(device=device).manual_seed(n + k + m)
-    weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    return weights, torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+
+
+def sweep_shape(n: int, k: int, float_out: bool, m: int, device: torch.device, reps: int) -> dict:
+    weights, x = gemm_operands(n, k, m, device, n + k + m)
+    copies = len(weights)
     out_dtype = torch.float32 if float_out else None
 
     def cublas(w):

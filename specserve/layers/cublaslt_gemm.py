@@ -64,6 +64,27 @@ def served_layers(
             and m.weight.dtype in DATA_TYPES and tuple(m.weight.shape) in table]
 
 
+def matmul_desc(lt) -> tuple[int, object]:
+    """A cuBLASLt matmul descriptor with fp32 compute and scales and op_T on A (the weight: module docstring) ->
+    (descriptor, the TRANSA value's buffer, which the caller keeps alive with it)."""
+    import numpy as np
+    from nvmath.bindings import cublas
+    desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F)
+    transa = np.array([int(cublas.Operation.T)], dtype=np.int32)
+    lt.matmul_desc_set_attribute(desc, int(lt.MatmulDescAttribute.TRANSA), transa.ctypes.data, transa.itemsize)
+    return desc, transa
+
+
+def set_algo_config(lt, algo, cfg: dict) -> None:
+    """Write ``cfg``'s ``CONFIG_FIELDS`` into ``algo`` (a one-record numpy array of ``lt.matmul_algo_dtype``)."""
+    import numpy as np
+    for name in CONFIG_FIELDS:
+        if name in cfg:
+            attr = int(getattr(lt.MatmulAlgoConfigAttribute, name.upper()))
+            buf = np.array([cfg[name]], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
+            lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
+
+
 def _destroy(lt, desc: int, layouts: list[int]) -> None:
     for layout in layouts:
         lt.matrix_layout_destroy(layout)
@@ -76,7 +97,6 @@ class LtContext:
     def __init__(self, device: torch.device) -> None:
         import numpy as np
         self.lt, self.np = bindings(), np
-        self.device = device
         with torch.cuda.device(device):
             self.handle = self.lt.create()
         weakref.finalize(self, self.lt.destroy, self.handle)  # the handle goes with the last LtGemm using it
@@ -92,12 +112,9 @@ class LtGemm:
 
     def __init__(self, ctx: LtContext, n: int, k: int, dtype: torch.dtype,
                  entries: list[tuple[int, int, dict]]) -> None:  # (lo, hi, config): serves lo < M <= hi
-        from nvmath.bindings import cublas
-        lt, np = ctx.lt, ctx.np
+        lt = ctx.lt
         self.ctx, self.n, self.k, self.dtype, self.entries = ctx, n, k, dtype, entries
-        self.desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F)
-        self._transa = np.array([int(cublas.Operation.T)], dtype=np.int32)
-        lt.matmul_desc_set_attribute(self.desc, int(lt.MatmulDescAttribute.TRANSA), self._transa.ctypes.data, 4)
+        self.desc, self._transa = matmul_desc(lt)
         self.a_layout = lt.matrix_layout_create(DATA_TYPES[dtype], k, n, k)
         self.plans: dict[int, tuple | None] = {}  # rows -> (b_layout, d_layout, algo, workspace bytes) | None
         self._layouts: list[int] = [self.a_layout]  # every layout made, destroyed with the descriptor
@@ -123,11 +140,7 @@ class LtGemm:
             try:  # an algorithm or field this GPU / cuBLASLt lacks, or a rejected configuration: torch's call
                 lt.matmul_algo_init(self.ctx.handle, int(cublas.ComputeType.COMPUTE_32F), CUDA_R_32F, code, code,
                                     code, code, int(cfg["id"]), algo.ctypes.data)
-                for name in CONFIG_FIELDS:
-                    if name in cfg:
-                        attr = int(getattr(lt.MatmulAlgoConfigAttribute, name.upper()))
-                        buf = np.array([cfg[name]], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
-                        lt.matmul_algo_config_set_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.itemsize)
+                set_algo_config(lt, algo, cfg)
                 lt.matmul_algo_check(self.ctx.handle, self.desc, self.a_layout, b_layout, d_layout, d_layout,
                                      algo.ctypes.data, check.ctypes.data)
                 workspace = int(check[0]["workspace_size"])

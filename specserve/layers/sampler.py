@@ -25,6 +25,7 @@ from itertools import islice
 
 import torch
 
+from specserve.layers.argmax import greedy_argmax
 from specserve.sampling import SamplingParams
 
 DISABLE_TRITON_SAMPLER_ENV = "SPECSERVE_DISABLE_TRITON_SAMPLER"  # set: CUDA draws take the torch form too
@@ -242,7 +243,7 @@ def sample_on_device(
     draw from ``target_probs`` with one uniform of the row's stream, as the verifier draws for a request
     without drafts. ``consume=False`` peeks the rows' own streams instead (the caller advances each by one once
     the step can no longer fail); rows on the default stream consume theirs either way."""
-    out = logits.argmax(dim=-1)  # [num_rows]
+    out = greedy_argmax(logits)  # [num_rows]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return out

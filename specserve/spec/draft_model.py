@@ -18,6 +18,7 @@ import random
 import torch
 
 from specserve.engine.request import Request
+from specserve.layers.argmax import greedy_argmax
 from specserve.layers.sampler import draw_tokens, target_probs
 from specserve.models.llama import LlamaForCausalLM
 from specserve.spec.draft_kv import DraftKV
@@ -87,7 +88,7 @@ class DraftModelProposer:
     def _choose(self, logits: torch.Tensor, requests: list[Request], tokens: list[list[int]],
                 probs: list[list[torch.Tensor]]) -> None:
         """Append one draft token per request (argmax, or a draw from the drafter under the request's params)."""
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = greedy_argmax(logits).tolist()
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         dist = target_probs(logits[sampled], [requests[i].params for i in sampled]) if sampled else None
         if sampled:

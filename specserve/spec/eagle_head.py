@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.layers.argmax import greedy_argmax
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
@@ -212,5 +213,5 @@ class EagleHead(nn.Module):
         self,
         normed: torch.Tensor,  # [num_rows, hidden_size]
     ) -> torch.Tensor:  # [num_rows] target-vocabulary ids of the greedy draft
-        draft_ids = self.lm_head(normed).argmax(dim=-1)
+        draft_ids = greedy_argmax(self.lm_head(normed))
         return draft_ids + self.d2t[draft_ids]

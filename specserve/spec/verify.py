@@ -47,6 +47,7 @@ from itertools import accumulate
 
 import torch
 
+from specserve.layers.argmax import greedy_argmax
 from specserve.layers.sampler import TokenUniforms, draw_tokens, host_to_device, target_probs
 from specserve.sampling import SamplingParams
 
@@ -63,7 +64,7 @@ def verify(
     out: list[list[int]] = [[] for _ in params]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        argmax = target_logits.argmax(dim=-1).tolist()  # [num_rows]
+        argmax = greedy_argmax(target_logits).tolist()  # [num_rows]
         for i in greedy:
             start, drafts = logit_starts[i], draft_token_ids[i]
             n = 0

@@ -1,0 +1,50 @@
+"""Greedy tokens: ``logits.argmax(dim=-1)`` for a few rows over a large vocabulary, split so that the GPU reads
+the row in parallel.
+
+Why. torch reduces a row's argmax in one thread block, so for a handful of rows the whole 128k-entry row of a
+Llama-3 vocabulary streams through one multiprocessor: on an H200 that took 27 us at batch 1 and about the same at
+batch 32 (``benchmarks/results/decode_kernels_gpu_before.json``), about 1% of an FP8 decode step and more of a
+small model's. Here the row is viewed as ``chunks`` equal slices: one ``max`` over each slice (``rows x chunks``
+blocks in parallel), an ``argmax`` over the ``chunks`` slice maxima, and the winning slice's index.
+
+Exactly ``argmax``'s answer, ties and NaN included: ``torch.max(dim)`` and ``argmax`` both return the first index
+of the maximum (NaN counts as the maximum), so the first slice holding the row's maximum wins the second step and,
+inside it, its first index. Example, ``chunks = 2``: row ``[1, 7, 7, 3, 7, 0]`` -> slices ``[1, 7, 7]`` and
+``[7, 3, 0]`` -> maxima ``[7, 7]`` at ``[1, 0]`` -> first slice 0 -> token ``0 * 3 + 1 = 1``, as ``argmax``.
+
+Used where greedy tokens are taken from logits: ``sampler.sample_on_device``, the verifier's target argmax and the
+drafters' argmaxes. ``benchmarks/argmax_gpu.py`` times both forms and checks them equal on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPLIT_MAX_ROWS = 64  # more rows already fill the GPU with torch's one block per row
+SPLIT_MIN_VOCAB = 8192  # a shorter row is one block's quick work
+CHUNK_COUNTS = (64, 32, 16)  # slices per row, the first that divides the vocabulary
+
+
+def split_chunks(num_rows: int, vocab_size: int) -> int:
+    """Slices per row for ``greedy_argmax`` (1: plain ``argmax``). E.g. (1, 128256) -> 64; (256, 128256) -> 1
+    (enough rows); (1, 32001) -> 1 (no count divides it)."""
+    if num_rows > SPLIT_MAX_ROWS or vocab_size < SPLIT_MIN_VOCAB:
+        return 1
+    return next((c for c in CHUNK_COUNTS if vocab_size % c == 0), 1)
+
+
+def greedy_argmax(
+    logits: torch.Tensor,  # [num_rows, vocab_size] any float dtype
+    chunks: int | None = None,  # slices per row; None -> split_chunks(num_rows, vocab_size)
+) -> torch.Tensor:  # [num_rows] int64, logits.argmax(dim=-1)
+    """``logits.argmax(dim=-1)`` (first index of the maximum, NaN the largest), read in ``chunks`` slices per row."""
+    rows, vocab = logits.shape
+    chunks = split_chunks(rows, vocab) if chunks is None else chunks
+    if chunks <= 1 or rows == 0:
+        return logits.argmax(dim=-1)
+    if vocab % chunks:
+        raise ValueError(f"chunks: {chunks} does not divide the vocabulary ({vocab})")
+    width = vocab // chunks
+    slice_max, slice_idx = logits.reshape(rows, chunks, width).max(dim=-1)  # [rows, chunks] each
+    best = slice_max.argmax(dim=-1, keepdim=True)  # [rows, 1] first slice holding the row's maximum
+    return (best * width + slice_idx.gather(1, best)).squeeze(1)

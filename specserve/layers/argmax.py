@@ -3,9 +3,12 @@ the row in parallel.
 
 Why. torch reduces a row's argmax in one thread block, so for a handful of rows the whole 128k-entry row of a
 Llama-3 vocabulary streams through one multiprocessor: on an H200 that took 27 us at batch 1 and about the same at
-batch 32 (``benchmarks/results/decode_kernels_gpu_before.json``), about 1% of an FP8 decode step and more of a
-small model's. Here the row is viewed as ``chunks`` equal slices: one ``max`` over each slice (``rows x chunks``
-blocks in parallel), an ``argmax`` over the ``chunks`` slice maxima, and the winning slice's index.
+batch 32 (``benchmarks/results/decode_kernels_gpu_before.json``), about 1% of an FP8 decode step. Here the row is
+viewed as ``chunks`` equal slices: one ``max`` over each slice (``rows x chunks`` blocks in parallel), an
+``argmax`` over the ``chunks`` slice maxima, and the winning slice's index. That is five small launches instead of
+one, so only rows of at least ``SPLIT_MIN_VOCAB`` entries take it, where one block's pass is long and the step (an
+8B model's) hides the extra host launches; SmolLM2's 49k rows keep ``argmax`` until ``benchmarks/argmax_gpu.py``
+has timed both forms there.
 
 Exactly ``argmax``'s answer, ties and NaN included: ``torch.max(dim)`` and ``argmax`` both return the first index
 of the maximum (NaN counts as the maximum), so the first slice holding the row's maximum wins the second step and,
@@ -13,7 +16,8 @@ inside it, its first index. Example, ``chunks = 2``: row ``[1, 7, 7, 3, 7, 0]`` 
 ``[7, 3, 0]`` -> maxima ``[7, 7]`` at ``[1, 0]`` -> first slice 0 -> token ``0 * 3 + 1 = 1``, as ``argmax``.
 
 Used where greedy tokens are taken from logits: ``sampler.sample_on_device``, the verifier's target argmax and the
-drafters' argmaxes. ``benchmarks/argmax_gpu.py`` times both forms and checks them equal on the GPU.
+drafters' argmaxes. ``benchmarks/argmax_gpu.py`` times both forms and checks them equal on the GPU (not yet run:
+the 27 us above is torch's form measured inside a decode step; the sliced form's time is still to be measured).
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from __future__ import annotations
 import torch
 
 SPLIT_MAX_ROWS = 64  # more rows already fill the GPU with torch's one block per row
-SPLIT_MIN_VOCAB = 8192  # a shorter row is one block's quick work
+SPLIT_MIN_VOCAB = 65536  # shorter rows (SmolLM2's 49152) keep one launch until the GPU run says otherwise
 CHUNK_COUNTS = (64, 32, 16)  # slices per row, the first that divides the vocabulary
 
 
 def split_chunks(num_rows: int, vocab_size: int) -> int:
     """Slices per row for ``greedy_argmax`` (1: plain ``argmax``). E.g. (1, 128256) -> 64; (256, 128256) -> 1
-    (enough rows); (1, 32001) -> 1 (no count divides it)."""
+    (enough rows); (1, 49152) -> 1 (a short row); (1, 128001) -> 1 (no count divides it)."""
     if num_rows > SPLIT_MAX_ROWS or vocab_size < SPLIT_MIN_VOCAB:
         return 1
     return next((c for c in CHUNK_COUNTS if vocab_size % c == 0), 1)

@@ -51,8 +51,8 @@ def test_worked_example_and_random_rows():
     assert got[3].item() == 5
 
 
-@pytest.mark.parametrize("rows,vocab,chunks", [(1, 128256, 64), (32, 49152, 64), (64, 151936, 64),
-                                               (65, 128256, 1), (1, 4096, 1), (1, 32001, 1), (2, 32016, 16)])
+@pytest.mark.parametrize("rows,vocab,chunks", [(1, 128256, 64), (32, 131072, 64), (64, 151936, 64),
+                                               (65, 128256, 1), (1, 49152, 1), (1, 128001, 1), (2, 65552, 16)])
 def test_split_chunks(rows, vocab, chunks):
     assert split_chunks(rows, vocab) == chunks
     if chunks > 1:
@@ -67,8 +67,8 @@ def test_bad_chunks_and_empty():
 
 def test_sampler_greedy_rows_take_the_sliced_argmax():
     gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 49152, generator=gen)
-    logits[1, 40000] = logits[1, 100] = 50.0
+    logits = torch.randn(3, 128256, generator=gen)
+    logits[1, 120000] = logits[1, 100] = 50.0
     params = [SamplingParams(temperature=0.0)] * 3
     out = sample_on_device(logits, params, [None] * 3, TokenUniforms(0))
     assert out.tolist() == np.argmax(logits.numpy(), axis=-1).tolist()

@@ -7,6 +7,8 @@ rows. GPU machine, not CI.
 Per case: microseconds per call replayed from a CUDA graph of ``--calls`` back-to-back calls of each form (what
 a graph pays; eager adds the same launches' host time), their ratio, and equality with ``argmax`` on random
 rows, on rows with the maximum tied across slices, and on rows with NaN. Exits non-zero on any disagreement.
+Where the rule keeps one launch for a few rows (SmolLM2's 49152: under ``SPLIT_MIN_VOCAB``), the split form is
+timed and checked too (``forced_chunks``, ``forced_us``), so one run can confirm or move the threshold.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_engine import graph_time_s  # noqa: E402
-from specserve.layers.argmax import greedy_argmax, split_chunks  # noqa: E402
+from specserve.layers.argmax import CHUNK_COUNTS, SPLIT_MAX_ROWS, greedy_argmax, split_chunks  # noqa: E402
 
 VOCABS = {"llama3": 128256, "smollm2": 49152}
 ROWS = [1, 8, 32, 64, 256]
@@ -62,10 +64,22 @@ def main(argv: list[str] | None = None) -> int:
             torch_us = graph_time_s(lambda x=x: [x.argmax(dim=-1) for _ in range(args.calls)]) / args.calls * 1e6
             chunks = split_chunks(rows, vocab)
             ours_us = graph_time_s(lambda x=x: [greedy_argmax(x) for _ in range(args.calls)]) / args.calls * 1e6
-            rep["cases"][key] = {"rows": rows, "vocab": vocab, "chunks": chunks, "argmax_us": torch_us,
-                                 "greedy_argmax_us": ours_us, "speedup": torch_us / ours_us}
-            print(f"{key:>14} chunks {chunks:>3}: argmax {torch_us:7.2f} us  sliced {ours_us:7.2f} us  "
-                  f"x{torch_us / ours_us:.2f}", flush=True)
+            case = {"rows": rows, "vocab": vocab, "chunks": chunks, "argmax_us": torch_us,
+                    "greedy_argmax_us": ours_us, "speedup": torch_us / ours_us}
+            line = f"{key:>14} chunks {chunks:>3}: argmax {torch_us:7.2f} us  sliced {ours_us:7.2f} us  " \
+                   f"x{torch_us / ours_us:.2f}"
+            forced = next((c for c in CHUNK_COUNTS if vocab % c == 0), 1)
+            if chunks == 1 and rows <= SPLIT_MAX_ROWS and forced > 1:
+                # the rule keeps one launch here (SPLIT_MIN_VOCAB): time the split form anyway, to test the rule
+                for name, logits in data.items():
+                    if not torch.equal(greedy_argmax(logits, forced), logits.argmax(dim=-1)):
+                        rep["errors"].append(f"{key} {name}: greedy_argmax(chunks={forced}) != argmax")
+                forced_us = graph_time_s(
+                    lambda x=x, c=forced: [greedy_argmax(x, c) for _ in range(args.calls)]) / args.calls * 1e6
+                case.update(forced_chunks=forced, forced_us=forced_us, forced_speedup=torch_us / forced_us)
+                line += f"  (forced {forced}: {forced_us:7.2f} us x{torch_us / forced_us:.2f})"
+            rep["cases"][key] = case
+            print(line, flush=True)
     rep["total_seconds"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rep, indent=1))

@@ -207,10 +207,14 @@ def attach(
     """Give every bias-free 16-bit ``Linear`` of ``model`` whose weight shape has a ``table`` entry an ``LtGemm``
     (``Linear.lt``), sharing one ``LtContext``, once ``LtGemm.vet`` has checked it against torch's call on the
     layer's own weight; returns how many got one (0 off CUDA, without nvmath-python or matching layers)."""
-    if device.type != "cuda" or not table or bindings() is None:
+    if device.type != "cuda" or not table:
         return 0
     layers = served_layers(model, table)
     if not layers:
+        return 0
+    if bindings() is None:
+        logger.warning("cuBLASLt configurations unused: nvmath-python is not installed (pip install '.[gpu]'); "
+                       "%d projections keep torch's cuBLAS call", len(layers))
         return 0
     try:
         ctx = LtContext(device)

@@ -57,6 +57,21 @@ def test_cpu_models_get_no_configuration_and_keep_their_outputs() -> None:
     assert all(getattr(m, "lt", None) is None for m in model.modules())
 
 
+def test_cuda_without_bindings_warns_and_keeps_torch_calls(monkeypatch, caplog) -> None:
+    """On by default: a CUDA engine without nvmath-python says so (how many projections keep torch's call) instead
+    of silently running without the configurations. The model lives on the meta device; no GPU is touched."""
+    from specserve.layers import cublaslt_gemm
+    config = shape_config("llama-3.1-8b")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, 128).to(torch.bfloat16)
+    monkeypatch.setattr(cublaslt_gemm, "bindings", lambda: None)
+    with caplog.at_level("WARNING", logger=cublaslt_gemm.__name__):
+        assert attach(model, quant_tiles.BF16_LT_ALGOS, torch.device("cuda", 0)) == 0
+    assert "nvmath-python is not installed" in caplog.text
+    assert f"{4 * config.num_hidden_layers} projections" in caplog.text
+    assert all(getattr(m, "lt", None) is None for m in model.modules())
+
+
 class FakeGemm(LtGemm):
     """``LtGemm.vet``'s logic without cuBLASLt: entries whose config says ``"wrong"`` give a perturbed product,
     ``"rejected"`` none (as a configuration cuBLASLt refuses), others torch's own."""

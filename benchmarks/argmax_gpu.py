@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_engine import graph_time_s  # noqa: E402
-from specserve.layers.argmax import CHUNK_COUNTS, SPLIT_MAX_ROWS, greedy_argmax, split_chunks  # noqa: E402
+from specserve.layers.argmax import SPLIT_MAX_ROWS, dividing_chunks, greedy_argmax, split_chunks  # noqa: E402
 
 VOCABS = {"llama3": 128256, "smollm2": 49152}
 ROWS = [1, 8, 32, 64, 256]
@@ -57,23 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         for rows in ROWS:
             key = f"{vname}_r{rows}"
             data = cases(rows, vocab, device)
-            for name, logits in data.items():
-                if not torch.equal(greedy_argmax(logits), logits.argmax(dim=-1)):
-                    rep["errors"].append(f"{key} {name}: greedy_argmax != argmax")
+            chunks = split_chunks(rows, vocab)
+            # where the rule keeps one launch (SPLIT_MIN_VOCAB), the split form is checked and timed anyway
+            forced = dividing_chunks(vocab) if chunks == 1 and rows <= SPLIT_MAX_ROWS else 1
+            for form in (None, forced) if forced > 1 else (None,):
+                for name, logits in data.items():
+                    if not torch.equal(greedy_argmax(logits, form), logits.argmax(dim=-1)):
+                        rep["errors"].append(f"{key} {name}: greedy_argmax(chunks={form}) != argmax")
             x = data["random"]
             torch_us = graph_time_s(lambda x=x: [x.argmax(dim=-1) for _ in range(args.calls)]) / args.calls * 1e6
-            chunks = split_chunks(rows, vocab)
             ours_us = graph_time_s(lambda x=x: [greedy_argmax(x) for _ in range(args.calls)]) / args.calls * 1e6
             case = {"rows": rows, "vocab": vocab, "chunks": chunks, "argmax_us": torch_us,
                     "greedy_argmax_us": ours_us, "speedup": torch_us / ours_us}
             line = f"{key:>14} chunks {chunks:>3}: argmax {torch_us:7.2f} us  sliced {ours_us:7.2f} us  " \
                    f"x{torch_us / ours_us:.2f}"
-            forced = next((c for c in CHUNK_COUNTS if vocab % c == 0), 1)
-            if chunks == 1 and rows <= SPLIT_MAX_ROWS and forced > 1:
-                # the rule keeps one launch here (SPLIT_MIN_VOCAB): time the split form anyway, to test the rule
-                for name, logits in data.items():
-                    if not torch.equal(greedy_argmax(logits, forced), logits.argmax(dim=-1)):
-                        rep["errors"].append(f"{key} {name}: greedy_argmax(chunks={forced}) != argmax")
+            if forced > 1:
                 forced_us = graph_time_s(
                     lambda x=x, c=forced: [greedy_argmax(x, c) for _ in range(args.calls)]) / args.calls * 1e6
                 case.update(forced_chunks=forced, forced_us=forced_us, forced_speedup=torch_us / forced_us)

@@ -31,12 +31,17 @@ SPLIT_MIN_VOCAB = 65536  # shorter rows (SmolLM2's 49152) keep one launch until 
 CHUNK_COUNTS = (64, 32, 16)  # slices per row, the first that divides the vocabulary
 
 
+def dividing_chunks(vocab_size: int) -> int:
+    """The first of ``CHUNK_COUNTS`` that divides ``vocab_size``, else 1. E.g. 128256 -> 64; 128001 -> 1."""
+    return next((c for c in CHUNK_COUNTS if vocab_size % c == 0), 1)
+
+
 def split_chunks(num_rows: int, vocab_size: int) -> int:
     """Slices per row for ``greedy_argmax`` (1: plain ``argmax``). E.g. (1, 128256) -> 64; (256, 128256) -> 1
     (enough rows); (1, 49152) -> 1 (a short row); (1, 128001) -> 1 (no count divides it)."""
     if num_rows > SPLIT_MAX_ROWS or vocab_size < SPLIT_MIN_VOCAB:
         return 1
-    return next((c for c in CHUNK_COUNTS if vocab_size % c == 0), 1)
+    return dividing_chunks(vocab_size)
 
 
 def greedy_argmax(

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.layers.argmax import greedy_argmax, split_chunks
+from specserve.layers.argmax import dividing_chunks, greedy_argmax, split_chunks
 from specserve.layers.sampler import TokenUniforms, sample_on_device
 from specserve.sampling import SamplingParams
 
@@ -73,3 +73,9 @@ def test_sampler_greedy_rows_take_the_sliced_argmax():
     out = sample_on_device(logits, params, [None] * 3, TokenUniforms(0))
     assert out.tolist() == np.argmax(logits.numpy(), axis=-1).tolist()
     assert out[1].item() == 100
+
+
+@pytest.mark.parametrize("vocab,chunks", [(128256, 64), (49152, 64), (65552, 16), (128001, 1), (96, 32)])
+def test_dividing_chunks_is_the_first_count_that_divides(vocab, chunks):
+    """The rule's slice count without its row and vocabulary bounds (argmax_gpu.py times SmolLM2's with it)."""
+    assert dividing_chunks(vocab) == chunks

@@ -33,12 +33,17 @@ def test_table_entries_are_well_formed() -> None:
             assert "id" in cfg and set(cfg) - {"id"} <= set(CONFIG_FIELDS)
 
 
+def meta_llama8b() -> tuple:
+    """The Llama-3.1-8B shape in bf16 on the meta device (no memory) -> (config, model)."""
+    config = shape_config("llama-3.1-8b")
+    with torch.device("meta"):
+        return config, LlamaForCausalLM(config, 128).to(torch.bfloat16)
+
+
 def test_table_serves_the_llama8b_projections_it_was_measured_on() -> None:
     """Built on the meta device (no memory): the table's shapes are Llama-3.1-8B's qkv, o, gate|up and down, all
     32 layers of each; the embedding and LM head are not served."""
-    config = shape_config("llama-3.1-8b")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, 128).to(torch.bfloat16)
+    config, model = meta_llama8b()
     layers = served_layers(model, quant_tiles.BF16_LT_ALGOS)
     assert len(layers) == 4 * config.num_hidden_layers
     projections = {id(p) for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -61,9 +66,7 @@ def test_cuda_without_bindings_warns_and_keeps_torch_calls(monkeypatch, caplog) 
     """On by default: a CUDA engine without nvmath-python says so (how many projections keep torch's call) instead
     of silently running without the configurations. The model lives on the meta device; no GPU is touched."""
     from specserve.layers import cublaslt_gemm
-    config = shape_config("llama-3.1-8b")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, 128).to(torch.bfloat16)
+    config, model = meta_llama8b()
     monkeypatch.setattr(cublaslt_gemm, "bindings", lambda: None)
     with caplog.at_level("WARNING", logger=cublaslt_gemm.__name__):
         assert attach(model, quant_tiles.BF16_LT_ALGOS, torch.device("cuda", 0)) == 0

@@ -7,8 +7,8 @@ batch 32 (``benchmarks/results/decode_kernels_gpu_before.json``), about 1% of an
 viewed as ``chunks`` equal slices: one ``max`` over each slice (``rows x chunks`` blocks in parallel), an
 ``argmax`` over the ``chunks`` slice maxima, and the winning slice's index. That is five small launches instead of
 one, so only rows of at least ``SPLIT_MIN_VOCAB`` entries take it, where one block's pass is long and the step (an
-8B model's) hides the extra host launches; SmolLM2's 49k rows keep ``argmax`` until ``benchmarks/argmax_gpu.py``
-has timed both forms there.
+8B model's) hides the extra host launches; SmolLM2's 49k rows keep ``argmax``, which ``benchmarks/argmax_gpu.py``
+timed faster there (below).
 
 Exactly ``argmax``'s answer, ties and NaN included: ``torch.max(dim)`` and ``argmax`` both return the first index
 of the maximum (NaN counts as the maximum), so the first slice holding the row's maximum wins the second step and,
@@ -19,7 +19,10 @@ Used where greedy tokens are taken from logits: ``sampler.sample_on_device``, th
 drafters' argmaxes. ``benchmarks/argmax_gpu.py`` times both forms and checks them equal on the GPU. On an H100
 (``results/argmax_gpu_h100.json``, CUDA-graph replays, fp32 logits of 128256 entries), 26.4 -> 15.7 us at 1 row
 (x1.68), 27.0 -> 16.3 at 8, 27.3 -> 16.6 at 32, 27.5 -> 20.1 at 64 (x1.37), and equal on random, tied and NaN
-rows. SmolLM2's rows were timed in the plain form only (11.7 us at 1 row), so its split form is still unmeasured.
+rows. SmolLM2's 49152-entry rows, forced into 64 slices on an H100 (``results/argmax_gpu_h100_stop44.json``):
+11.79 -> 11.89 us at 1 row, 12.04 -> 12.52 at 8, 12.29 -> 12.50 at 32, 12.29 -> 14.22 at 64, slower at every row
+count, so ``SPLIT_MIN_VOCAB`` keeps them on one launch (the Llama-3 rows' gain repeated in that run: x1.63-1.67
+up to 32 rows, x1.36 at 64).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 
 SPLIT_MAX_ROWS = 64  # more rows already fill the GPU with torch's one block per row
-SPLIT_MIN_VOCAB = 65536  # shorter rows (SmolLM2's 49152) keep one launch until the GPU run says otherwise
+SPLIT_MIN_VOCAB = 65536  # shorter rows (SmolLM2's 49152) keep one launch: split, they were slower on an H100
 CHUNK_COUNTS = (64, 32, 16)  # slices per row, the first that divides the vocabulary
 
 

@@ -204,6 +204,13 @@ BF16_GEMV_TILES = TileTable(
 # (benchmarks/results/fp8_b1_session13.json; under a per-step device sync it had measured no gain).
 FUSE_FP8_ACT_QUANT = True
 
+# The attention output handed to an FP8 o_proj in the deferred form (models/llama.py): the Triton attention kernels
+# that store it also store each (token, head)'s max |out| (TritonAttentionBackend.forward(head_amax=True)) and the
+# W8A16 kernel takes each token's scale from those maxima and quantizes its tiles itself (act_quant=
+# "per_token_amax"): the quantizer launch before o_proj goes, the bits stay. Off until timed on a GPU
+# (benchmarks/w8a16_shapes_gpu.py, setting "defer").
+ATTN_FP8_HEAD_AMAX = False
+
 # The FP8 MLP block of a one-row step (a batch-1 decode) as one persistent launch (layers/triton_fused_mlp.py:
 # residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),
 # when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm", or None

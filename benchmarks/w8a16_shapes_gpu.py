@@ -18,14 +18,14 @@ against 13.2 at one row (benchmarks/results/fp8_tiles_h100.json), which the bf16
    swept row counts, kept only when it beats the table's by ``--min-gain`` (else the table's): the entries of
    ``W8A16_TILES.by_shape``, printed ready to paste.
 3. ``step``: ``gpu_engine.time_decode_steps`` (median engine step, graph replay) of the FP8 dummy Llama-3.1-8B at
-   ``--batches`` under five settings, alternated over ``--rounds`` rounds with graphs captured afresh: ``table``
-   (the table as it is, the quantizers before down and o_proj as launches of their own), ``defer_silu`` (the split
-   silu_and_mul_fp8's quantizer left to the down projection's kernel, ``triton_ops.SILU_FP8_DEFER_QUANT``),
-   ``defer`` (also the quantizer before o_proj, the attention storing its heads' maxima,
-   ``quant_tiles.ATTN_FP8_HEAD_AMAX``; both must give the same logits bit for bit), ``by_shape`` (``picked`` as
-   ``by_shape`` overrides) and ``by_shape_defer`` (``by_shape`` and ``defer``); the bf16 step at batch 1 for
-   ``fp8_speedup_b1``; the logits of a decode row and of an 8-token verify of 2 sequences under each against ``table``
-   (equal, argmax agreement, largest difference: other tiles change the sum order only).
+   ``--batches`` with the table as it is (``table``) and with ``picked`` as ``by_shape`` overrides (``by_shape``),
+   alternated over ``--rounds`` rounds with graphs captured afresh; the bf16 step at batch 1 for
+   ``fp8_speedup_b1``; the logits of a decode row and of an 8-token verify of 2 sequences under ``by_shape`` against
+   ``table`` (equal, argmax agreement, largest difference: other tiles change the sum order only).
+
+Result on an H100 (results/w8a16_shapes_h100.json, which also timed three settings of commit b81dd64 that were
+removed after it): the per-shape winners (32 x 256 for down, 32 x 128 for qkv and o at one row; 4-14% faster
+alone) made the batch-1 step slower, 3.57 -> 3.63 ms, and batch 8 3.97 -> 4.03, so the table keeps one tile.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
 from benchmarks.quant_gemm_gpu import copies, time_calls  # noqa: E402
-from specserve.layers import quant_tiles, triton_ops  # noqa: E402
+from specserve.layers import quant_tiles  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig  # noqa: E402
 from specserve.layers.triton_w8a16 import w8a16_linear  # noqa: E402
@@ -155,15 +155,11 @@ def step(out: dict, args, picked: dict, device: torch.device) -> None:
     ge.quantize_model(model, "fp8")
     ge.free(device)
     shapes = by_shape(picked)
-    # name -> (by_shape overrides, silu_and_mul_fp8 deferred, attention maxima to o_proj)
-    settings = {"table": (None, False, False), "defer_silu": (None, True, False), "defer": (None, True, True),
-                "by_shape": (shapes, False, False), "by_shape_defer": (shapes, True, True)}
+    settings = {"table": None, "by_shape": shapes}  # name -> by_shape overrides
     times = {s: {str(b): {"median_step_s": [], "graph_replay_s": []} for b in args.batches} for s in settings}
     logits, inputs = {}, None
-    as_was = (triton_ops.SILU_FP8_DEFER_QUANT, quant_tiles.ATTN_FP8_HEAD_AMAX)
     for _ in range(args.rounds):
-        for setting, (table, defer_silu, defer_attn) in settings.items():
-            triton_ops.SILU_FP8_DEFER_QUANT, quant_tiles.ATTN_FP8_HEAD_AMAX = defer_silu, defer_attn
+        for setting, table in settings.items():
             with quant_tiles.override(W8A16_TILES, by_shape=table):
                 engine = ge.engine_for(model, config, device, max(args.batches), 4.0, args.max_model_len, 8192,
                                        proposers={})
@@ -179,7 +175,6 @@ def step(out: dict, args, picked: dict, device: torch.device) -> None:
                 logits[setting] = torch.cat([ge.logits_of(engine.runner, i, graphs=False).float() for i in inputs])
                 del engine
                 ge.free(device)
-    triton_ops.SILU_FP8_DEFER_QUANT, quant_tiles.ATTN_FP8_HEAD_AMAX = as_was
     med = {s: {b: {k: statistics.median(v) for k, v in r.items() if None not in v} for b, r in t.items()}
            for s, t in times.items()}  # graph_replay_s is None without graphs (CPU)
     out["fp8"] = {"median": med, "runs": times}

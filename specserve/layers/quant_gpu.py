@@ -88,32 +88,16 @@ class Fp8Activations:
     ``x``: produced by the Triton ops that fuse the quantizer into the op that computes ``x``
     (``TritonOps.rms_norm_fp8`` / ``fused_add_rms_norm_fp8`` / ``silu_and_mul_fp8``), taken by
     ``Fp8Linear.forward`` in place of ``x`` (it then skips its own quantizer: the same e4m3 bits and scales,
-    so the same output). ``x`` itself is kept only when the producer was asked to write it.
+    so the same output). ``x`` itself is kept only when the producer was asked to write it."""
 
-    Deferred form (``x_q`` and ``scale`` None): the producer wrote ``x`` and the maxima of ``|x|`` over column
-    blocks of each row (``amax``) but not the e4m3 rows; the W8A16 kernel quantizes each tile itself from them
-    (``act_quant="per_token_amax"``: the same bits, one launch fewer), and ``quantized()`` makes the e4m3 rows
-    for any other consumer."""
-
-    x_q: torch.Tensor | None  # [num_rows, num_cols] float8_e4m3fn (None: deferred)
-    scale: torch.Tensor | None  # [num_rows, 1] float32 (None: deferred)
+    x_q: torch.Tensor  # [num_rows, num_cols] float8_e4m3fn
+    scale: torch.Tensor  # [num_rows, 1] float32
     dtype: torch.dtype  # the activation dtype the projection's output takes (x's)
-    x: torch.Tensor | None = None  # [num_rows, num_cols] the 16-bit activations, when written (always if deferred)
-    amax: torch.Tensor | None = None  # [num_rows, num_blocks] float32 partial maxima of |x| (deferred form)
+    x: torch.Tensor | None = None  # [num_rows, num_cols] the 16-bit activations, when written
 
     @property
     def shape(self) -> torch.Size:
-        return self.x.shape if self.x_q is None else self.x_q.shape
-
-    @property
-    def deferred(self) -> bool:
-        return self.x_q is None
-
-    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [rows, cols] e4m3, scale [rows, 1] fp32)
-        """The e4m3 rows and scales: as given, or (deferred form) from the fused quantizer, the same bits."""
-        if self.x_q is not None:
-            return self.x_q, self.scale
-        return quantize_fp8_activations(self.x)
+        return self.x_q.shape
 
 
 def w8a16_linear_reference(
@@ -220,21 +204,6 @@ class Fp8Linear(nn.Module):
         self.use_triton = use_triton
         self.max_triton_rows = max_triton_rows
         self.activation_quant = activation_quant
-        # [N // bn, K // bk, bn, bk] float8_e4m3fn: the weight in the W8A16 kernel's tile-contiguous layout
-        # (triton_w8a16.pack_weight_tiles), read instead of ``weight`` on the kernel path when set
-        self.weight_tiles: torch.Tensor | None = None
-
-    def pack_weight_tiles(self, block_n: int | None, block_k: int = 0) -> None:
-        """Keep a tile-contiguous copy of the weight for the W8A16 kernel (whose tile configurations must then
-        read ``block_n x block_k`` tiles), or drop it (``block_n`` None). ``weight`` stays for the other paths."""
-        if block_n is None:
-            self.weight_tiles = None
-            return
-        from specserve.layers.triton_w8a16 import pack_weight_tiles  # Triton is imported on the kernel path only
-        self.weight_tiles = pack_weight_tiles(self.weight, block_n, block_k)
-
-    def _kernel_weight(self) -> torch.Tensor:  # [N, K] or [N // bn, K // bk, bn, bk] float8_e4m3fn
-        return self.weight if self.weight_tiles is None else self.weight_tiles
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, use_scaled_mm: bool | None = None,
@@ -257,7 +226,7 @@ class Fp8Linear(nn.Module):
             act_quant = self.activation_quant
             if act_quant == "per_token" and x.shape[0] > quant_tiles.W8A16_INKERNEL_QUANT_MAX_ROWS:
                 act_quant = "per_token_prequant"  # the fused quantizer first: the same e4m3 bits and scales
-            return w8a16_linear(x, self._kernel_weight(), self.weight_scale, self.bias, counters=self.split_counters,
+            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
                                 act_quant=act_quant)
         use = self.use_scaled_mm if self.use_scaled_mm is not None else x.device.type != "cpu"
         fn = fp8_linear_scaled_mm if use else fp8_linear_reference
@@ -274,22 +243,14 @@ class Fp8Linear(nn.Module):
             if x.x is None:
                 raise ValueError("Fp8Activations without its 16-bit x: activation_quant='none' needs them")
             return self.forward(x.x)
-        rows = x.shape[0]
-        triton_ok = self.use_triton if self.use_triton is not None else (x.x if x.deferred else x.x_q).is_cuda
+        x_q, x_scale = x.x_q, x.scale
+        triton_ok = self.use_triton if self.use_triton is not None else x_q.is_cuda
         max_rows = quant_tiles.W8A16_MAX_ROWS if self.max_triton_rows is None else self.max_triton_rows
-        if triton_ok and rows <= max_rows and x.deferred:
-            from specserve.layers.triton_w8a16 import w8a16_linear  # Triton is imported on the kernel path only
-            # the kernel quantizes each tile from the producer's partial maxima: the same bits
-            return w8a16_linear(x.x, self._kernel_weight(), self.weight_scale, self.bias,
-                                counters=self.split_counters, act_quant="per_token_amax", x_amax=x.amax,
-                                out_dtype=x.dtype)
-        x_q, x_scale = x.quantized()
-        if triton_ok and rows <= max_rows:
+        if triton_ok and x_q.shape[0] <= max_rows:
             from specserve.layers.triton_w8a16 import w8a16_linear  # Triton is imported on the kernel path only
             # in-kernel quantization and the pre-quantized mode give the same bits: take the given ones
-            return w8a16_linear(x_q, self._kernel_weight(), self.weight_scale, self.bias,
-                                counters=self.split_counters, act_quant="per_token_prequant", x_scale=x_scale,
-                                out_dtype=x.dtype)
+            return w8a16_linear(x_q, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
+                                act_quant="per_token_prequant", x_scale=x_scale, out_dtype=x.dtype)
         use = self.use_scaled_mm if self.use_scaled_mm is not None else x_q.device.type != "cpu"
         fn = fp8_linear_scaled_mm_quantized if use else fp8_linear_reference_quantized
         return fn(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)

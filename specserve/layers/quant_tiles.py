@@ -150,6 +150,19 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # the prefetching table equalled the committed one's bit for bit in both runs (logits_vs_fp8 0.0). Rows 1-8 and
 # 9-32 thus sum in different orders, so a token's FP8 projections may differ in their last bits between a small
 # decode step and a 9-32-row verify, as they already could between MMA tiles of 16 and 32 rows.
+# Tried on an H100 in stop 44 and not kept (commit b81dd64 has the code; whole FP8 steps side by side in one run):
+# - one tile for all four shapes beats per-shape tiles in the step, although alone 32 x 256 (down) and 32 x 128
+#   (qkv, o) read 4-14% faster at one row: b1 3.57 -> 3.63 ms, b8 3.97 -> 4.03 (benchmarks/w8a16_shapes_gpu.py,
+#   results/w8a16_shapes_h100.json); split K for 2 waves of programs beats 1 and 4 (b1 x0.982 / x0.933:
+#   benchmarks/fp8_step_knobs_gpu.py, results/fp8_step_knobs_h100.json);
+# - the quantizer launches before down and o_proj folded into this kernel (16-bit activations with the maxima their
+#   producers computed: the split silu_and_mul_fp8's blocks, per-(token, head) maxima stored by the attention
+#   kernels; each tile divided in registers): logits equal bit for bit, but b1 3.57 -> 3.86 / 3.91 ms and b8 3.97
+#   -> 4.91 / 5.13 (w8a16_shapes_h100.json, settings defer_silu / defer), as with X_MODE 1 above: the division in
+#   every program costs more than the launch it saves;
+# - weights packed so that each 64 x 128 tile is one contiguous 8 KiB block: projections alone x0.98-1.01, the b1
+#   step x1.015 (results/fp8_tiles_h100.json), at the price of a second FP8 copy of every weight for the
+#   _scaled_mm path above 32 rows.
 W8A16_TILES = TileTable(
     by_rows={
         8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True, prefetch=1),
@@ -203,13 +216,6 @@ BF16_GEMV_TILES = TileTable(
 # on the H200: fused_bitwise). On: with asynchronous decode steps the b=1 FP8 step went from 3.33 to 3.24 ms
 # (benchmarks/results/fp8_b1_session13.json; under a per-step device sync it had measured no gain).
 FUSE_FP8_ACT_QUANT = True
-
-# The attention output handed to an FP8 o_proj in the deferred form (models/llama.py): the Triton attention kernels
-# that store it also store each (token, head)'s max |out| (TritonAttentionBackend.forward(head_amax=True)) and the
-# W8A16 kernel takes each token's scale from those maxima and quantizes its tiles itself (act_quant=
-# "per_token_amax"): the quantizer launch before o_proj goes, the bits stay. Off until timed on a GPU
-# (benchmarks/w8a16_shapes_gpu.py, setting "defer").
-ATTN_FP8_HEAD_AMAX = False
 
 # The FP8 MLP block of a one-row step (a batch-1 decode) as one persistent launch (layers/triton_fused_mlp.py:
 # residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),

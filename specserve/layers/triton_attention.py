@@ -221,19 +221,6 @@ def _attend_key_tiles(
 
 
 @triton.jit
-def _store_out(out_ptr, amax_ptr, o, tok, head, d, io_mask, row_valid, num_heads, stride_ot, stride_oh,
-               AMAX: tl.constexpr):
-    """Store output rows ``o [R, HEAD_DIM_PAD]`` (fp32) of (token, head) pairs in the output dtype, and with
-    ``AMAX`` each row's max ``|value|`` as stored (after the rounding) at ``amax [token, head]``: the o
-    projection's FP8 quantizer takes the token's scale from those (``forward(head_amax=True)``)."""
-    ob = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], ob, mask=io_mask)
-    if AMAX:
-        row_max = tl.max(tl.where(io_mask, tl.abs(ob.to(tl.float32)), 0.0), axis=1)  # [R]
-        tl.store(amax_ptr + tok * num_heads + head, row_max, mask=row_valid)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     out_ptr,  # [num_tokens, num_heads, head_dim]
@@ -245,7 +232,6 @@ def _decode_kernel(
     seq_ids_ptr,  # [num_short_seqs] int32 the sequences this launch attends
     split_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (SPLIT only)
     split_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 log2-sum-exp2 (SPLIT only)
-    amax_ptr,  # [num_tokens, num_heads] fp32 max |out| per (token, head) (AMAX and not SPLIT)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -259,7 +245,6 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-    AMAX: tl.constexpr = False,  # also store each (token, head) row's max |out|
 ):
     pdl_begin(USE_PDL)
     # grid: (num_short_seqs, num_kv_heads, num_splits)
@@ -304,8 +289,9 @@ def _decode_kernel(
         tl.store(split_out_ptr + row[:, None] * head_dim + d[None, :], o, mask=io_mask)
         tl.store(split_lse_ptr + row, lse, mask=row_valid)
     else:
-        _store_out(out_ptr, amax_ptr, acc / l_i[:, None], tok, head, d, io_mask, row_valid, num_heads, stride_ot,
-                   stride_oh, AMAX)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -315,13 +301,11 @@ def _combine_splits_kernel(
     split_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32, each split's log2-sum-exp2 (-inf: no keys)
     query_start_loc_ptr,  # [num_seqs + 1] int64
     seq_ids_ptr,  # [num_short_seqs] int32
-    amax_ptr,  # [num_tokens, num_heads] fp32 max |out| per (token, head) (AMAX)
     stride_ot, stride_oh,
     num_heads, num_splits, head_dim,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-    AMAX: tl.constexpr = False,  # also store each (token, head) row's max |out|
 ):
     pdl_begin(USE_PDL)
     # grid: (num_short_seqs, num_heads, the longest short query): one (token, head) row per program, all of its
@@ -346,9 +330,7 @@ def _combine_splits_kernel(
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [SPLITS_PAD]; 0 where a split saw no key
         total = tl.sum(w, axis=0)
         o = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
-        one = tl.arange(0, 1)  # the row as a [1, HEAD_DIM_PAD] tile of one (token, head)
-        _store_out(out_ptr, amax_ptr, o[None, :], tok + one, head + one, d, d_mask[None, :], one == 0, num_heads,
-                   stride_ot, stride_oh, AMAX)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -362,12 +344,11 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int64
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile
     tile_first_ptr,  # [num_tiles] int32 first query token of each tile, counted within its sequence's chunk
-    amax_ptr,  # [num_tokens, num_heads] fp32 max |out| per (token, head) (AMAX)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
-    head_dim, num_heads, qk_scale,
+    head_dim, qk_scale,
     GROUP: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -376,7 +357,6 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
-    AMAX: tl.constexpr = False,  # also store each (token, head) row's max |out|
 ):
     pdl_begin(USE_PDL)
     # grid: (num_tiles, num_kv_heads). Example: chunk of 40 tokens after 100 cached ones, TILE_TOKENS 16 ->
@@ -404,8 +384,9 @@ def _prefill_kernel(
         q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, 0,
         tl.cdiv(kv_end, BLOCK_N), kv_end, stride_cb, stride_cs, stride_ch, head_dim, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM_PAD, DOT_PRECISION)
-    _store_out(out_ptr, amax_ptr, acc / l_i[:, None], tok, head, d, io_mask, row_valid, num_heads, stride_ot,
-               stride_oh, AMAX)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -445,7 +426,6 @@ class TritonAttentionBackend:
 
     capturable = True
     fuses_rope = True  # forward(..., rope=(cos, sin)) rotates q and k in the cache-write launch
-    emits_head_amax = True  # forward(..., head_amax=True) also returns each (token, head)'s max |out|
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64, decode_warps: int | None = None,
                  decode_block_n: int | None = None, decode_stages: int = DECODE_STAGES) -> None:
@@ -581,14 +561,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin), each [num_tokens, 1, head_dim]
-        head_amax: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [num_tokens, num_heads, head_dim] (, amax)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at ``meta.slot_mapping``, then attend. With ``rope``, q and k are rotated
         first (in place, as ``TorchOps.rope_`` rotates them), in the same launch as the cache write where the
-        layouts allow (``fuses_rope``). With ``head_amax`` (``emits_head_amax``) also returns ``amax
-        [num_tokens, num_heads]`` fp32, each (token, head)'s max ``|out|`` as stored, written by the launches
-        that store ``out``: the maxima the o projection's FP8 kernel takes a token's scale from (the deferred
-        ``Fp8Activations``), instead of a quantizer launch over ``out``."""
+        layouts allow (``fuses_rope``)."""
         extra = meta.extra
         assert extra is not None and extra.get("backend") == "triton", "prepare() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
@@ -612,9 +588,8 @@ class TritonAttentionBackend:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        amax = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device) if head_amax else out
         if num_tokens == 0:
-            return (out, amax) if head_amax else out
+            return out
 
         if rope is not None and not rope_tables_match(q, *rope):
             TorchOps.rope_(q, *rope)  # the torch reference on layouts the fused kernel does not take
@@ -650,19 +625,18 @@ class TritonAttentionBackend:
                 split_out = split_lse = out  # not read or written without SPLIT
             _decode_kernel[(num_short, num_kv_heads, num_splits)](
                 q, out, k_cache, v_cache, block_tables, extra["seq_lens"], extra["query_start_loc"],
-                extra["short_seq_ids"], split_out, split_lse, amax,
+                extra["short_seq_ids"], split_out, split_lse,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
                 num_heads, num_splits, head_dim, qk_scale,
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=self.decode_tile_keys(head_dim_pad, num_splits),
                 BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, SPLIT=split, DOT_PRECISION=precision,
-                AMAX=head_amax and not split,
                 num_warps=self.decode_warps or _num_warps(block_m, head_dim_pad), num_stages=self.decode_stages,
                 **pdl_args(q.device))
             if split:
                 _combine_splits_kernel[(num_short, num_heads, extra["max_short_query_len"])](
-                    out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"], amax,
+                    out, split_out, split_lse, extra["query_start_loc"], extra["short_seq_ids"],
                     out.stride(0), out.stride(1), num_heads, num_splits, head_dim,
-                    SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM_PAD=head_dim_pad, AMAX=head_amax,
+                    SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM_PAD=head_dim_pad,
                     num_warps=1 if _next_pow2(num_splits) * head_dim_pad <= 2048 else 4,
                     **pdl_args(q.device))
 
@@ -672,11 +646,11 @@ class TritonAttentionBackend:
             block_m = max(16, _next_pow2(tile_tokens * group))
             _prefill_kernel[(num_tiles, num_kv_heads)](
                 q, out, k_cache, v_cache, block_tables, extra["seq_lens"], extra["query_start_loc"],
-                tile_seqs, tile_firsts, amax,
+                tile_seqs, tile_firsts,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
-                head_dim, num_heads, qk_scale,
+                head_dim, qk_scale,
                 GROUP=group, TILE_TOKENS=tile_tokens, BLOCK_M=block_m, BLOCK_N=self.block_n,
-                BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, DOT_PRECISION=precision, AMAX=head_amax,
+                BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, DOT_PRECISION=precision,
                 num_warps=_num_warps(block_m, head_dim_pad), num_stages=2, **pdl_args(q.device))
-        return (out, amax) if head_amax else out
+        return out
 

@@ -98,11 +98,6 @@ SILU_FP8_MAX_BLOCK = 16384
 SILU_FP8_SPLIT_MAX_ROWS = 16
 SILU_FP8_SPLIT_MIN_COLS = 4096
 SILU_FP8_SPLIT_BLOCK = 1024
-# The split op's second launch (the quantizer) left to its consumer: silu_and_mul_fp8 returns the deferred
-# Fp8Activations (the 16-bit rows and their per-block maxima) and the down projection's W8A16 kernel quantizes each
-# tile from them (act_quant="per_token_amax"), the same bits, one launch fewer per layer. Off until timed on a GPU
-# (benchmarks/w8a16_shapes_gpu.py, settings "defer" against "table").
-SILU_FP8_DEFER_QUANT = False
 
 
 def _next_pow2(n: int) -> int:
@@ -466,15 +461,16 @@ class TritonOps(TorchOps):
     ) -> Fp8Activations:  # x_q [num_tokens, intermediate_size] e4m3, scale [num_tokens, 1]; x only if write_out
         """``silu_and_mul`` and the fused FP8 quantizer in one launch, one program per row (the amax needs the
         whole row), or for a few wide rows in two launches over column blocks (``SILU_FP8_SPLIT_MAX_ROWS``):
-        ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.silu_and_mul(gate_up))`` either way. With
-        ``SILU_FP8_DEFER_QUANT`` the split form skips its second launch and returns the deferred form (the 16-bit
-        rows and their per-block maxima, ``Fp8Activations.quantized()`` gives the same bits)."""
+        ``x_q, scale`` are bit for bit ``quantize_fp8_rows(self.silu_and_mul(gate_up))`` either way."""
         if gate_up.dtype not in KERNEL_DTYPES or not _rows_ok(gate_up) or gate_up.shape[-1] % 2:
             return self._quantized(self.silu_and_mul(gate_up), write_out)
         num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        x_q, scale = self._fp8_buffers(num_rows, inter, gate_up.device)
         out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device) if write_out else None
-        split = 0 < num_rows <= SILU_FP8_SPLIT_MAX_ROWS and inter >= SILU_FP8_SPLIT_MIN_COLS
-        if split:
+        if num_rows == 0 or inter == 0:
+            scale.fill_(1e-12)
+            return Fp8Activations(x_q, scale, gate_up.dtype, out)
+        if num_rows <= SILU_FP8_SPLIT_MAX_ROWS and inter >= SILU_FP8_SPLIT_MIN_COLS:
             block = min(SILU_FP8_SPLIT_BLOCK, _next_pow2(inter))
             blocks = triton.cdiv(inter, block)
             if out is None:
@@ -483,13 +479,6 @@ class TritonOps(TorchOps):
             _silu_and_mul_amax_kernel[(num_rows, blocks)](
                 gate_up, out, amax, inter, gate_up.stride(0), blocks, BLOCK=block, num_warps=_num_warps(block),
                 **pdl_args(gate_up.device))
-            if SILU_FP8_DEFER_QUANT:
-                return Fp8Activations(None, None, gate_up.dtype, out, amax)
-        x_q, scale = self._fp8_buffers(num_rows, inter, gate_up.device)
-        if num_rows == 0 or inter == 0:
-            scale.fill_(1e-12)
-            return Fp8Activations(x_q, scale, gate_up.dtype, out)
-        if split:
             _quantize_blocks_kernel[(num_rows, blocks)](
                 out, amax, x_q, scale, inter, blocks, BLOCK=block, BLOCKS_POW2=_next_pow2(blocks),
                 num_warps=_num_warps(block), **pdl_args(gate_up.device))

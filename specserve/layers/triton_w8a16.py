@@ -45,19 +45,6 @@ serves tables that ask for it, e.g. an ``override`` in a benchmark):
   fp32 accumulator every 32 of K (``FP8_PRECISE_EVERY``). On the H200 its error against the fp64 reference equals
   the GEMV's to three digits (bf16 output rounding dominates; ``benchmarks/results/quant_gemm_fp8dot_gpu.json``).
 
-Two more activation and weight forms:
-
-- ``act_quant="per_token_amax"`` (X_MODE 3): 16-bit activations plus, per row, the maxima of ``|x|`` over column
-  blocks that the producer of x already computed (the split ``TritonOps.silu_and_mul_fp8``, the attention's
-  per-head maxima: ``Fp8Activations``' deferred form). The row's scale is ``_fp8_scale`` of their max (a max of
-  maxima is the amax), each activation tile is quantized in registers with ``_fp8_quantize``: the fused
-  quantizer's bits without its launch. With one row only that row's values are divided (``_x_tile``).
-- Weights packed by ``pack_weight_tiles`` (``[N // BLOCK_N, K // BLOCK_K, BLOCK_N, BLOCK_K]``): each tile one
-  contiguous block, a program's K tiles in a row. Same sums in the same order. On an H100 the projections alone
-  read no faster (x0.98-1.01 at 1-32 rows, the LM head x1.02-1.04) and the batch-1 FP8 step gained x1.015
-  (benchmarks/results/fp8_tiles_h100.json); the engine does not pack, since rows above ``W8A16_MAX_ROWS`` go to
-  ``torch._scaled_mm``, which needs the row-major weight (a packed copy would double the FP8 weight memory).
-
 In-kernel activation quantization: before its main loop, each program reads all of K of its activation rows
 once (from L2: x is tiny next to the weights) for the row amax, hence the scale; the main loop then quantizes
 each activation chunk in registers (``x / scale`` -> e4m3 -> fp32 for the GEMV's FMAs, fp16 for the MMA) and the
@@ -87,7 +74,7 @@ FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value (quant_gpu.FP8_MAX)
 # 2412.19437, section 3.3.2); Triton adds its partial sums into an fp32 accumulator every this many K elements.
 FP8_PRECISE_EVERY = tl.constexpr(32)
 _MIN_SCALE = tl.constexpr(1e-12)  # quant_gpu._MIN_SCALE: an all-zero row gets this scale
-ACT_QUANT_MODES = {"none": 0, "per_token": 1, "per_token_prequant": 2, "per_token_amax": 3}  # -> X_MODE
+ACT_QUANT_MODES = {"none": 0, "per_token": 1, "per_token_prequant": 2}  # -> the kernel's X_MODE
 
 
 # ---- per-token FP8 maths shared by both kernels (same operations, so the same bits) ---------------------------
@@ -116,67 +103,31 @@ def _row_scale(x_row, K, stride_xk, valid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _amax_scale(amax_ptr, rows, M, num_amax, AMAX_BLOCKS: tl.constexpr):
-    """``_fp8_scale`` of rows ``rows`` ([R] indices) from their partial amaxes ``amax [M, num_amax]`` (X_MODE 3:
-    the producer of x, ``TritonOps.silu_and_mul_fp8``, wrote one per column block): the max of maxima is the
-    row's amax exactly, so the scale is the fused quantizer's. Rows past M get 1e-12 (their x reads as 0)."""
-    parts = tl.arange(0, AMAX_BLOCKS)
-    am = tl.load(amax_ptr + rows[:, None] * num_amax + parts[None, :],
-                 mask=(rows < M)[:, None] & (parts < num_amax)[None, :], other=0.0)  # [R, AMAX_BLOCKS]
-    return _fp8_scale(tl.max(am, axis=1))  # [R]
-
-
-@triton.jit
 def _gemv_x(x_ptrs, mask, scale, X_MODE: tl.constexpr):
     """One activation chunk of the GEMV as fp32: as stored (X_MODE 0), quantized with the row's ``scale`` and
-    dequantized without it (1 and 3: exact, e4m3 -> fp32), or already e4m3 (2)."""
+    dequantized without it (1: exact, e4m3 -> fp32), or already e4m3 (2)."""
     xs = tl.load(x_ptrs, mask=mask, other=0.0)
-    if X_MODE == 1 or X_MODE == 3:
+    if X_MODE == 1:
         xs = _fp8_quantize(xs.to(tl.float32), scale)
     return xs.to(tl.float32)
 
 
 @triton.jit
-def _gemv_scale(x_row, x_scale_ptr, row, M, K, stride_xk, num_amax, BLOCK: tl.constexpr, X_MODE: tl.constexpr,
-                AMAX_BLOCKS: tl.constexpr):
-    """The per-token scale of GEMV row ``row``: computed from the row (X_MODE 1), read (2), from the row's
-    partial amaxes (3), or 1 (0)."""
+def _gemv_scale(x_row, x_scale_ptr, row, M, K, stride_xk, BLOCK: tl.constexpr, X_MODE: tl.constexpr):
+    """The per-token scale of GEMV row ``row``: computed from the row (X_MODE 1), read (2), or 1 (0)."""
     if X_MODE == 1:
         s = _row_scale(x_row, K, stride_xk, row < M, BLOCK)
     elif X_MODE == 2:
         s = tl.load(x_scale_ptr + row, mask=row < M, other=1.0)
-    elif X_MODE == 3:
-        s = tl.max(_amax_scale(x_scale_ptr, row + tl.arange(0, 1), M, num_amax, AMAX_BLOCKS), axis=0)
     else:
         s = 1.0
     return s
 
 
 @triton.jit
-def _w_tile_ptrs(
-    w_ptr,  # [N, K] row-major weights, or [N // BLOCK_N, K // BLOCK_K, BLOCK_N, BLOCK_K] tiles (W_TILED)
-    offs_n,  # [BLOCK_N] output channels of this program (row-major layout)
-    offs_k,  # [BLOCK_K] input features of this tile, k0 .. k0 + BLOCK_K - 1
-    pid_n, k0, K, stride_wn, stride_wk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TILED: tl.constexpr,
-):
-    """Pointers ``[BLOCK_N, BLOCK_K]`` of the weight tile (output tile ``pid_n``, K from ``k0``). Tiled layout
-    (``pack_weight_tiles``): the tile is one contiguous ``BLOCK_N * BLOCK_K``-byte block, and a program's
-    successive K tiles are successive blocks, so its whole K range is one sequential stream. Worked example,
-    ``BLOCK_N = 2``, ``BLOCK_K = 4``, ``K = 8``: tile (pid_n 1, k0 4) is block ``1 * 2 + 1 = 3``, bytes 24..31,
-    holding ``w[2, 4:8]`` then ``w[3, 4:8]``."""
-    if W_TILED:
-        block = pid_n.to(tl.int64) * (K // BLOCK_K) + k0 // BLOCK_K
-        rows = tl.arange(0, BLOCK_N)
-        cols = tl.arange(0, BLOCK_K)
-        return w_ptr + block * (BLOCK_N * BLOCK_K) + rows[:, None] * BLOCK_K + cols[None, :]
-    return w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
-
-
-@triton.jit
 def _dot_tile(
     w,  # [BLOCK_N, BLOCK_K] float8_e4m3fn weight tile
-    xt,  # [BLOCK_K, BLOCK_M] activation tile, transposed: 16-bit / fp32 (X_MODE 0, 1) or e4m3 (2, 3: _x_tile)
+    xt,  # [BLOCK_K, BLOCK_M] activation tile, transposed: 16-bit / fp32 (X_MODE 0, 1) or e4m3 (2)
     acc_t,  # [BLOCK_N, BLOCK_M] fp32 running sums
     x_scale,  # [BLOCK_M] per-token scales (X_MODE 1; unread otherwise)
     X_MODE: tl.constexpr, FP8_DOT: tl.constexpr, W_VIA_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -186,8 +137,8 @@ def _dot_tile(
         if W_VIA_F32:  # bf16: e4m3x2 -> f16x2 -> f32 -> bf16x2 (packed), cheaper than e4m3 -> f16 -> bf16
             w = w.to(tl.float32)
         acc_t = tl.dot(w.to(xt.dtype), xt, acc_t, input_precision=PRECISION)  # exact conversions
-    elif FP8_DOT:  # e4m3 x e4m3 on the tensor cores (X_MODE 2 and 3): exact products
-        acc_t = tl.dot(w, xt, acc_t, max_num_imprecise_acc=FP8_PRECISE_EVERY)  # fp32 sums promoted every 32 of K
+    elif FP8_DOT:  # e4m3 x e4m3 on the tensor cores (X_MODE 2): exact products, fp32 sums promoted
+        acc_t = tl.dot(w, xt, acc_t, max_num_imprecise_acc=FP8_PRECISE_EVERY)  # every 32 of K
     else:
         if X_MODE == 1:
             xt = _fp8_quantize(xt.to(tl.float32), x_scale[None, :])
@@ -197,53 +148,22 @@ def _dot_tile(
 
 
 @triton.jit
-def _x_tile(
-    x_ptr,  # [M, K] activations
-    offs_m,  # [BLOCK_M] rows of this program
-    offs_k,  # [BLOCK_K] input features of the tile
-    m_mask, k_mask,  # [BLOCK_M], [BLOCK_K]
-    stride_xm, stride_xk,
-    x_scale,  # [BLOCK_M] per-token scales (X_MODE 3)
-    X_MODE: tl.constexpr,
-    ONE_ROW: tl.constexpr,  # M == 1 (X_MODE 3): quantize the one row, not the padded tile
-):
-    """The tensor-core path's activation tile ``[BLOCK_K, BLOCK_M]`` (x transposed), as stored, or for X_MODE 3
-    quantized here with the rows' scales (``_fp8_quantize``: the fused quantizer's bits). With one row only its
-    ``BLOCK_K`` values are divided (the tile's other columns are padding: zeros), not all ``BLOCK_K * BLOCK_M``."""
-    if X_MODE == 3 and ONE_ROW:
-        xv = tl.load(x_ptr + offs_k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K], row 0
-        s0 = tl.max(tl.where(offs_m == 0, x_scale, 0.0), axis=0)
-        q = _fp8_quantize(xv, s0).to(tl.float32)  # exact e4m3 values
-        xt = tl.where((offs_m == 0)[None, :], q[:, None], 0.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    else:
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
-                     mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        if X_MODE == 3:
-            xt = _fp8_quantize(xt.to(tl.float32), x_scale[None, :])
-    return xt
-
-
-@triton.jit
 def _w8a16_kernel(
-    x_ptr,  # [M, K] bf16 / fp16 / fp32 activations (X_MODE 0, 1, 3), or float8_e4m3fn quantized ones (X_MODE 2)
+    x_ptr,  # [M, K] bf16 / fp16 / fp32 activations (X_MODE 0, 1), or float8_e4m3fn quantized ones (X_MODE 2)
     w_ptr,  # [N, K] float8_e4m3fn weights, one row per output channel
     w_scale_ptr,  # [N] fp32 per-output-channel scales
-    x_scale_ptr,  # [M] fp32 per-token scales of the quantized activations (X_MODE 2); [M, num_amax] fp32
-    #               partial amaxes of x's rows (X_MODE 3)
+    x_scale_ptr,  # [M] fp32 per-token scales of the quantized activations (read when X_MODE == 2)
     bias_ptr,  # [N] (read only when HAS_BIAS)
     out_ptr,  # [M, N] activation dtype
     partial_ptr,  # [SPLIT_K, M, N] fp32 partial sums (SPLIT_K > 1 only)
     count_ptr,  # [grid_m * grid_n] int32 arrival counters (SPLIT_K > 1 only)
-    M, N, K, k_per_split, num_amax,
+    M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_VIA_F32: tl.constexpr,
     PRECISION: tl.constexpr, X_MODE: tl.constexpr, FP8_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (triton_pdl)
     PREFETCH: tl.constexpr = 0,  # weight tiles loaded before the PDL wait (tensor-core path; 0..2)
-    W_TILED: tl.constexpr = False,  # w_ptr holds pack_weight_tiles' layout (N % BLOCK_N == K % BLOCK_K == 0)
-    AMAX_BLOCKS: tl.constexpr = 1,  # power of two >= num_amax (X_MODE 3)
-    X_ONE_ROW: tl.constexpr = False,  # M == 1 (X_MODE 3, tensor cores: see _x_tile)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -253,18 +173,18 @@ def _w8a16_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1] row starts
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # k_per_split is a multiple of BLOCK_K: no tile straddles splits
     if USE_DOT and PREFETCH > 0:
         # The first PREFETCH weight tiles of this program's K range, loaded before the wait below: weights are
         # never written by a kernel of the step, so their loads may overlap the kernel before this one.
         k_pre = k_lo + offs_kb  # [BLOCK_K]
-        w_pre0 = tl.load(_w_tile_ptrs(w_ptr, offs_n, k_pre, pid_n, k_lo, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K,
-                                      W_TILED), mask=n_mask[:, None] & (k_pre < k_hi)[None, :], other=0.0)
+        w_pre0 = tl.load(w_rows + k_pre[None, :] * stride_wk, mask=n_mask[:, None] & (k_pre < k_hi)[None, :],
+                         other=0.0)
         w_pre1 = w_pre0
         if PREFETCH > 1:
-            w_pre1 = tl.load(_w_tile_ptrs(w_ptr, offs_n, k_pre + BLOCK_K, pid_n, k_lo + BLOCK_K, K, stride_wn,
-                                          stride_wk, BLOCK_N, BLOCK_K, W_TILED),
+            w_pre1 = tl.load(w_rows + (k_pre + BLOCK_K)[None, :] * stride_wk,
                              mask=n_mask[:, None] & (k_pre + BLOCK_K < k_hi)[None, :], other=0.0)
     pdl_begin(USE_PDL)
     if USE_DOT:
@@ -281,27 +201,24 @@ def _w8a16_kernel(
             x_scale = _fp8_scale(tl.max(running, axis=0))  # [BLOCK_M]
         elif X_MODE == 2:
             x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=1.0)
-        elif X_MODE == 3:
-            x_scale = _amax_scale(x_scale_ptr, offs_m, M, num_amax, AMAX_BLOCKS)
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PREFETCH > 0:  # the prefetched tiles' activations, loaded now and multiplied after the loop
-            x_pre0 = _x_tile(x_ptr, offs_m, k_pre, m_mask, k_pre < k_hi, stride_xm, stride_xk, x_scale, X_MODE,
-                             X_ONE_ROW)  # [BLOCK_K, BLOCK_M]
+            x_pre0 = tl.load(x_cols + k_pre[:, None] * stride_xk, mask=m_mask[None, :] & (k_pre < k_hi)[:, None],
+                             other=0.0)  # [BLOCK_K, BLOCK_M]
             x_pre1 = x_pre0
             if PREFETCH > 1:
-                x_pre1 = _x_tile(x_ptr, offs_m, k_pre + BLOCK_K, m_mask, k_pre + BLOCK_K < k_hi, stride_xm,
-                                 stride_xk, x_scale, X_MODE, X_ONE_ROW)
+                x_pre1 = tl.load(x_cols + (k_pre + BLOCK_K)[:, None] * stride_xk,
+                                 mask=m_mask[None, :] & (k_pre + BLOCK_K < k_hi)[:, None], other=0.0)
         for k0 in range(k_lo + PREFETCH * BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
             k_mask = offs_k < K
-            w_ptrs = _w_tile_ptrs(w_ptr, offs_n, offs_k, pid_n, k0, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K,
-                                  W_TILED)
+            w_ptrs = w_rows + offs_k[None, :] * stride_wk
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, stride_xk, x_scale, X_MODE,
-                         X_ONE_ROW)  # [BLOCK_K, BLOCK_M]
+            xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_mask[None, :] & k_mask[:, None],
+                         other=0.0)  # [BLOCK_K, BLOCK_M]
             acc_t = _dot_tile(w, xt, acc_t, x_scale, X_MODE, FP8_DOT, W_VIA_F32, PRECISION)
         if PREFETCH > 0:  # zeros past k_hi add nothing
             acc_t = _dot_tile(w_pre0, x_pre0, acc_t, x_scale, X_MODE, FP8_DOT, W_VIA_F32, PRECISION)
@@ -317,18 +234,15 @@ def _w8a16_kernel(
         # shuffle every weight tile through shared memory); accumulators of rows >= BLOCK_M are never built.
         row0 = pid_m * BLOCK_M
         x_row = x_ptr + row0 * stride_xm
-        s0 = _gemv_scale(x_row, x_scale_ptr, row0, M, K, stride_xk, num_amax, BLOCK_K, X_MODE, AMAX_BLOCKS)
+        s0 = _gemv_scale(x_row, x_scale_ptr, row0, M, K, stride_xk, BLOCK_K, X_MODE)
         s1 = s0
         s2 = s0
         s3 = s0
         if BLOCK_M > 1:
-            s1 = _gemv_scale(x_row + stride_xm, x_scale_ptr, row0 + 1, M, K, stride_xk, num_amax, BLOCK_K, X_MODE,
-                             AMAX_BLOCKS)
+            s1 = _gemv_scale(x_row + stride_xm, x_scale_ptr, row0 + 1, M, K, stride_xk, BLOCK_K, X_MODE)
         if BLOCK_M > 2:
-            s2 = _gemv_scale(x_row + 2 * stride_xm, x_scale_ptr, row0 + 2, M, K, stride_xk, num_amax, BLOCK_K,
-                             X_MODE, AMAX_BLOCKS)
-            s3 = _gemv_scale(x_row + 3 * stride_xm, x_scale_ptr, row0 + 3, M, K, stride_xk, num_amax, BLOCK_K,
-                             X_MODE, AMAX_BLOCKS)
+            s2 = _gemv_scale(x_row + 2 * stride_xm, x_scale_ptr, row0 + 2, M, K, stride_xk, BLOCK_K, X_MODE)
+            s3 = _gemv_scale(x_row + 3 * stride_xm, x_scale_ptr, row0 + 3, M, K, stride_xk, BLOCK_K, X_MODE)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -336,8 +250,7 @@ def _w8a16_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
             k_mask = offs_k < K
-            w_ptrs = _w_tile_ptrs(w_ptr, offs_n, offs_k, pid_n, k0, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K,
-                                  W_TILED)
+            w_ptrs = w_rows + offs_k[None, :] * stride_wk
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             else:
@@ -380,7 +293,7 @@ def _block_m(config: TileConfig, m: int) -> int:
 
 def w8a16_linear(
     x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16 / fp32
-    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn, or pack_weight_tiles' 4D tiles of it
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     weight_scale: torch.Tensor,  # [1, out_features] (or [out_features]) float32
     bias: torch.Tensor | None = None,  # [out_features]
     config: TileConfig | None = None,
@@ -388,7 +301,6 @@ def w8a16_linear(
     act_quant: str = "per_token",
     x_scale: torch.Tensor | None = None,  # [num_rows, 1] fp32: x is already e4m3 (quantize_fp8_rows' bits)
     out_dtype: torch.dtype | None = None,  # the output dtype (default x.dtype; required with x_scale)
-    x_amax: torch.Tensor | None = None,  # [num_rows, num_blocks] fp32 partial amaxes of x's rows ("per_token_amax")
 ) -> torch.Tensor:  # [num_rows, out_features], out_dtype
     """``fp8_linear_reference``'s maths in one launch: activations quantized per token inside the kernel
     (``act_quant="per_token"``, the same e4m3 bits as ``quantize_fp8_rows``), fp32 sums, then ``* x_scale *
@@ -398,36 +310,24 @@ def w8a16_linear(
     ``config`` defaults to ``W8A16_TILES``'s entry for (M, N, K); ``counters`` (see ``split_counters``) to a
     fresh zeroed buffer when the configuration splits K. ``x_scale``: ``x`` is already quantized (e4m3, e.g. by
     a producer op that fused the quantizer, ``TritonOps.rms_norm_fp8``): the ``"per_token_prequant"`` launch
-    without its quantizer, writing ``out_dtype``. ``"per_token_amax"`` (with ``x_amax``, the maxima of ``|x|``
-    over column blocks of each row, which the producer of ``x`` computed: ``TritonOps.silu_and_mul_fp8``): the
-    kernel takes the row's scale from them and quantizes each activation tile in registers, the same bits as the
-    fused quantizer, with no quantizer launch and no amax pass over x."""
+    without its quantizer, writing ``out_dtype``."""
     m, k = x.shape
-    tiled = weight.dim() == 4  # pack_weight_tiles' [N // bn, K // bk, bn, bk]
-    n = weight.shape[0] * weight.shape[2] if tiled else weight.shape[0]
-    w_k = weight.shape[1] * weight.shape[3] if tiled else weight.shape[1]
-    if w_k != k:
-        raise ValueError(f"x: in_features {k} != weight in_features {w_k}")
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x: in_features {k} != weight in_features {weight.shape[1]}")
     if act_quant not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant: {act_quant!r} is not one of {sorted(ACT_QUANT_MODES)}")
     x_mode = ACT_QUANT_MODES[act_quant]
     if x_scale is not None:
         if act_quant != "per_token_prequant" or x.dtype != torch.float8_e4m3fn or out_dtype is None:
             raise ValueError("x_scale: needs act_quant='per_token_prequant', e4m3 x and out_dtype")
-    if (x_amax is None) != (x_mode != 3) or (x_amax is not None and (x_amax.dim() != 2 or x_amax.shape[0] != m
-                                                                     or x_amax.dtype != torch.float32)):
-        raise ValueError(f"x_amax: act_quant='per_token_amax' needs (and only it takes) [{m}, blocks] fp32 "
-                         f"partial amaxes, got {None if x_amax is None else (tuple(x_amax.shape), x_amax.dtype)}")
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or W8A16_TILES.lookup(m, n, k)
     block_m, block_n = _block_m(cfg, m), cfg.block_n
-    fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode in (2, 3)
+    fp8_dot = cfg.use_dot and cfg.fp8_dot and x_mode == 2
     block_k = min(cfg.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(k)))  # an fp8 MMA takes 32 of K
-    if tiled and (block_n, block_k) != (weight.shape[2], weight.shape[3]):
-        raise ValueError(f"weight: tiles of {tuple(weight.shape[2:])} but the configuration reads "
-                         f"{(block_n, block_k)} (TileConfig {cfg.describe()})")
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split, k_per_split = split_plan(cfg, k, block_k, grid_m * grid_n, x.device)
     partial, counters = split_buffers(split, m, n, grid_m * grid_n, counters, x.device)
@@ -436,40 +336,21 @@ def w8a16_linear(
         w_scale = w_scale.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 activations: no TF32 rounding (X_MODE 0)
     bf16_x = x.dtype == torch.bfloat16
-    num_amax = 1
-    if x_amax is not None:
-        x_scale, num_amax = x_amax.contiguous(), x_amax.shape[1]
-    elif x_scale is None:
+    if x_scale is None:
         x_scale = w_scale  # unread unless X_MODE 2
         if x_mode == 2:
             x, x_scale = quantize_fp8_rows_triton(x)  # [M, K] e4m3, [M, 1] fp32
     _w8a16_kernel[(grid_n, grid_m, split)](
         x, weight, w_scale, x_scale, w_scale if bias is None else bias, out,
         out if partial is None else partial, w_scale if counters is None else counters,
-        m, n, k, k_per_split, num_amax,
-        x.stride(0), x.stride(1), k if tiled else weight.stride(0), 1 if tiled else weight.stride(1),
-        out.stride(0), out.stride(1),
+        m, n, k, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         USE_DOT=cfg.use_dot, EVEN_K=k % block_k == 0, W_VIA_F32=bf16_x and x_mode == 0, PRECISION=precision,
-        X_MODE=x_mode, FP8_DOT=fp8_dot, PREFETCH=cfg.prefetch if cfg.use_dot else 0, W_TILED=tiled,
-        AMAX_BLOCKS=triton.next_power_of_2(num_amax), X_ONE_ROW=m == 1 and x_mode == 3,
+        X_MODE=x_mode, FP8_DOT=fp8_dot, PREFETCH=cfg.prefetch if cfg.use_dot else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return out
-
-
-def pack_weight_tiles(
-    weight: torch.Tensor,  # [out_features, in_features]
-    block_n: int,
-    block_k: int,
-) -> torch.Tensor:  # [out_features // block_n, in_features // block_k, block_n, block_k], contiguous
-    """The weight rearranged so that each ``[block_n, block_k]`` tile ``w8a16_linear`` reads is one contiguous
-    block, the K tiles of an output tile in order (``_w_tile_ptrs``): ``packed[i, j] == weight[i * block_n:
-    (i + 1) * block_n, j * block_k:(j + 1) * block_k]``. Both dimensions must divide."""
-    n, k = weight.shape
-    if n % block_n or k % block_k:
-        raise ValueError(f"weight: {tuple(weight.shape)} does not divide into tiles of {(block_n, block_k)}")
-    return weight.reshape(n // block_n, block_n, k // block_k, block_k).permute(0, 2, 1, 3).contiguous()
 
 
 # ---- per-token activation quantization (the _scaled_mm path) --------------------------------------------------

@@ -31,13 +31,8 @@ def fuse_fp8_input(proj: nn.Module, ops: TorchOps, op_name: str) -> bool:
     """Whether ``proj``'s input should come from ``ops.<op_name>`` (an ``_fp8`` op: the producer with the
     per-token FP8 quantizer fused in): the switch ``quant_tiles.FUSE_FP8_ACT_QUANT`` is on, ``proj`` is an
     ``Fp8Linear`` quantizing activations per token, and ``ops`` has the fused op (``TritonOps``)."""
-    return fp8_input_fusable(proj) and hasattr(ops, op_name)
-
-
-def fp8_input_fusable(proj: nn.Module) -> bool:
-    """``quant_tiles.FUSE_FP8_ACT_QUANT`` is on and ``proj`` is an ``Fp8Linear`` quantizing activations per
-    token: it may take its input quantized (or deferred, ``Fp8Activations``) from the op that produced it."""
-    return quant_tiles.FUSE_FP8_ACT_QUANT and isinstance(proj, Fp8Linear) and proj.activation_quant == "per_token"
+    return (quant_tiles.FUSE_FP8_ACT_QUANT and isinstance(proj, Fp8Linear) and proj.activation_quant == "per_token"
+            and hasattr(ops, op_name))
 
 
 class Attention(nn.Module):
@@ -73,16 +68,11 @@ class Attention(nn.Module):
             qk = torch.cat([q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)], dim=1)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, d)
-        kw = {}
         if getattr(backend, "fuses_rope", False):  # rotates q and k in its cache-write launch
-            kw["rope"] = cos_sin
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, rope=cos_sin)  # [n, h, d]
         else:
             self.ops.rope_(qk, *cos_sin)
-        if (quant_tiles.ATTN_FP8_HEAD_AMAX and getattr(backend, "emits_head_amax", False)
-                and fp8_input_fusable(self.o_proj)):  # the o projection quantizes from the heads' maxima
-            out, amax = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, head_amax=True, **kw)
-            return self.o_proj(Fp8Activations(None, None, out.dtype, out.reshape(n, self.q_size), amax))
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, **kw)  # [n, h, d]
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, h, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
 

@@ -9,8 +9,7 @@ Each wrapper runs on CPU tensors with its kernel replaced by a recorder; every d
 the way ``kernel[grid](...)`` would on an sm_90 GPU (the JIT's own specialization: integer 1 as a constant,
 16-divisible integers and pointers marked so). Covered: every entry of the tile tables
 (``layers/quant_tiles.py``) at the row counts they serve, bf16 / fp16 / fp32 activations, bias or none, split K,
-the W8A16 activation modes (per token in the kernel, the default; pre-quantized e4m3; none; per-block
-maxima given) and packed weight tiles, on Llama-3.1-8B
+the W8A16 activation modes (per token in the kernel, the default; pre-quantized e4m3; none), on Llama-3.1-8B
 projection shapes; with ``--sweep``, every configuration ``benchmarks/quant_gemm_gpu.py`` times.
 Prints registers and spills (ptxas -v) per variant.
 
@@ -151,12 +150,6 @@ def table_calls(quick: bool):
                     for prefetch in (1, 2) if cfg.use_dot else ():  # weight tiles loaded before the PDL wait
                         triton_w8a16.w8a16_linear(x, w8, w8_scale, None, config=_replace(cfg, prefetch=prefetch),
                                                   act_quant="per_token_prequant")
-                    # 16-bit rows + per-block maxima (the split silu_and_mul_fp8's deferred form), and packed tiles
-                    triton_w8a16.w8a16_linear(x, w8, w8_scale, None, act_quant="per_token_amax",
-                                              x_amax=torch.zeros(m, 14), out_dtype=dtype)
-                    if cfg.use_dot and n % cfg.block_n == 0 and k % cfg.block_k == 0:
-                        triton_w8a16.w8a16_linear(x, triton_w8a16.pack_weight_tiles(w8, cfg.block_n, cfg.block_k),
-                                                  w8_scale, None, act_quant="per_token_prequant")
                 for m in w4_rows:
                     x = torch.zeros(m, k, dtype=dtype)
                     triton_w4a16.w4a16_linear(x, qweight, groups, groups, None)

@@ -121,26 +121,6 @@ def test_padded_slots_are_not_written():
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])  # maxima stored by the decode kernel / by the combine kernel
-def test_head_amax_is_each_stored_rows_max(num_splits):
-    """``forward(head_amax=True)``: the same output bit for bit, and each (token, head)'s max |out| as stored
-    (after the bf16 rounding) from whichever launch stored the row: a prefill chunk, decode and verify rows."""
-    gen = torch.Generator().manual_seed(5)
-    block_size = 16
-    meta, q, k, v, k_cache, v_cache = make_batch(gen, [1, 20, 4, 1], [40, 5, 9, 0], block_size, 8, 2, 64,
-                                                 torch.bfloat16)
-    outs = []
-    for head_amax in (False, True):
-        backend = TritonAttentionBackend(num_splits=num_splits, block_n=16)
-        backend.prepare(meta, block_size)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_amax=head_amax))
-    out, (out2, amax) = outs
-    assert torch.equal(out, out2)
-    assert amax.shape == (26, 8) and amax.dtype == torch.float32
-    assert torch.equal(amax, out.float().abs().amax(dim=-1))
-    assert TritonAttentionBackend.emits_head_amax and not getattr(TorchAttentionBackend, "emits_head_amax", False)
-
-
 def test_bfloat16_close_to_reference():
     check([1, 3, 20], [30, 9, 5], 16, 8, 2, 64, atol=3e-2, dtype=torch.bfloat16)
 
@@ -230,9 +210,8 @@ def test_kernels_compile_for_hopper(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "unit", "triton_compile_check.py"),
                              "--quick"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    # write_kv, rope + write_kv, prefill, combine (3 variants collapsed into 1), decode at 3 tile heights x split,
-    # and prefill, combine and decode again storing the heads' maxima (head_amax)
-    assert "18 kernel variants compiled for sm_90" in result.stdout
+    # write_kv, rope + write_kv, prefill, combine (3 variants collapsed into 1), decode at 3 tile heights x split
+    assert "10 kernel variants compiled for sm_90" in result.stdout
 
 
 def test_engine_greedy_output_equals_reference_backend():
@@ -403,43 +382,3 @@ def test_model_with_fused_rope_matches_torch_backend(architecture):
         torch.testing.assert_close(gk, rk, atol=1e-5, rtol=0)
         torch.testing.assert_close(gv, rv, atol=1e-5, rtol=0)
 
-
-
-def test_fp8_model_takes_the_heads_maxima_with_the_same_bits(monkeypatch):
-    """An FP8 tiny model on the Triton backend with ``quant_tiles.ATTN_FP8_HEAD_AMAX``: the attention hands
-    o_proj its output with the (token, head) maxima (the deferred ``Fp8Activations``), and the hidden states
-    equal the switch-off run's bit for bit (o_proj quantizes the same rows to the same e4m3 bits)."""
-    from specserve.layers import quant_tiles
-    from specserve.layers.quant_gpu import Fp8Activations, Fp8Linear
-    from specserve.models.loader import _init_dummy, build_model
-    from specserve.models.quantize import quantize_model
-    from tests.tiny import tiny_config
-    config = tiny_config("llama", num_hidden_layers=1)
-    model = build_model(config, config.max_position_embeddings, torch.bfloat16, DEVICE)
-    _init_dummy(model, 0)
-    quantize_model(model, "fp8")
-    o_proj = model.layers[0].self_attn.o_proj
-    assert isinstance(o_proj, Fp8Linear)
-    seen = []
-    real_forward = Fp8Linear.forward
-    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: (seen.append(type(x)) if self is o_proj else None,
-                                                               real_forward(self, x))[1])
-    hd, kvh = config.head_dim, config.num_key_value_heads
-    results = []
-    for on in (False, True):
-        monkeypatch.setattr(quant_tiles, "ATTN_FP8_HEAD_AMAX", on)
-        backend = TritonAttentionBackend()
-        caches = [(torch.zeros(3, 4, kvh, hd, device=DEVICE, dtype=torch.bfloat16),
-                   torch.zeros(3, 4, kvh, hd, device=DEVICE, dtype=torch.bfloat16))]
-        hidden = []
-        for ids, start in (([5, 17, 3, 88, 41], 0), ([23], 5)):
-            n = len(ids)
-            meta = build_attention_metadata([n], [start + n], [[2, 0, 1]], 4, DEVICE)
-            backend.prepare(meta, 4)
-            with torch.inference_mode():
-                h, _ = model(torch.tensor(ids, device=DEVICE), torch.arange(start, start + n, device=DEVICE),
-                             caches, meta, backend)
-            hidden.append(h)
-        results.append(torch.cat(hidden))
-    assert seen == [torch.Tensor] * 2 + [Fp8Activations] * 2  # off: the 16-bit rows; on: the deferred form
-    assert torch.equal(results[0], results[1])

@@ -361,20 +361,15 @@ FP8_ROWS = [1, 7, 33]
 
 
 def assert_quantized_as(acts: Fp8Activations, out: torch.Tensor) -> None:
-    """``acts`` is bit for bit the fused quantizer run on ``out`` (the unfused op's 16-bit output); a deferred
-    ``acts`` carries ``out`` itself and per-block maxima whose max is each row's amax."""
+    """``acts`` is bit for bit the fused quantizer run on ``out`` (the unfused op's 16-bit output)."""
     x_q, scale = triton_w8a16.quantize_fp8_rows_triton(out)
-    if acts.deferred:
-        assert torch.equal(acts.x, out) and acts.amax.dtype == torch.float32 and acts.amax.shape[0] == out.shape[0]
-        assert torch.equal(acts.amax.amax(dim=1), out.float().abs().amax(dim=1))
-    got_q, got_scale = acts.quantized()
-    assert acts.dtype == out.dtype and got_q.dtype == torch.float8_e4m3fn and got_q.shape == out.shape
-    assert got_scale.dtype == torch.float32 and got_scale.shape == (out.shape[0], 1)
-    assert torch.equal(got_scale, scale)
-    assert torch.equal(got_q.view(torch.uint8), x_q.view(torch.uint8))
+    assert acts.dtype == out.dtype and acts.x_q.dtype == torch.float8_e4m3fn and acts.x_q.shape == out.shape
+    assert acts.scale.dtype == torch.float32 and acts.scale.shape == (out.shape[0], 1)
+    assert torch.equal(acts.scale, scale)
+    assert torch.equal(acts.x_q.view(torch.uint8), x_q.view(torch.uint8))
     ref_q, ref_scale = quantize_fp8_rows(out.cpu())  # and so the torch reference's (the quantizer is bitwise it)
-    assert torch.equal(got_scale.cpu(), ref_scale) and torch.equal(got_q.cpu().view(torch.uint8),
-                                                                  ref_q.view(torch.uint8))
+    assert torch.equal(acts.scale.cpu(), ref_scale) and torch.equal(acts.x_q.cpu().view(torch.uint8),
+                                                                   ref_q.view(torch.uint8))
 
 
 def _fp8_rows(gen: torch.Generator, rows: int, cols: int, dtype: torch.dtype, extra_cols: int = 0) -> torch.Tensor:
@@ -414,12 +409,11 @@ def test_fused_fp8_norm_is_the_norm_then_the_quantizer(dtype, rows, hidden, resi
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("rows", FP8_ROWS)
 @pytest.mark.parametrize("intermediate, max_block", [(64, 16384), (300, 16384), (1024, 16384), (300, 128)])
-@pytest.mark.parametrize("split, defer", [(False, False), (True, False), (True, True)])  # one program per row / two
-def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, split, defer,
-                                                             monkeypatch):  # launches / the split's first only
+@pytest.mark.parametrize("split", [False, True])  # one program per row / two launches over column blocks
+def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, intermediate, max_block, split,
+                                                             monkeypatch):
     monkeypatch.setattr(triton_ops, "SILU_FP8_MAX_BLOCK", max_block)  # 128: three chunks, two passes
     monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_MAX_ROWS", 64 if split else 0)
-    monkeypatch.setattr(triton_ops, "SILU_FP8_DEFER_QUANT", defer)
     monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_MIN_COLS", 1)
     monkeypatch.setattr(triton_ops, "SILU_FP8_SPLIT_BLOCK", min(max_block, 256))  # 300 columns: two blocks
     gen = torch.Generator().manual_seed(rows + intermediate)
@@ -428,8 +422,7 @@ def test_fused_fp8_silu_and_mul_is_the_op_then_the_quantizer(dtype, rows, interm
     out = ops.silu_and_mul(gate_up)
     acts = ops.silu_and_mul_fp8(gate_up)
     written = ops.silu_and_mul_fp8(gate_up, write_out=True)
-    assert acts.deferred == written.deferred == defer
-    assert (acts.x is None) != defer and torch.equal(written.x, out)  # a deferred one carries its 16-bit rows
+    assert acts.x is None and torch.equal(written.x, out)
     assert_quantized_as(acts, out)
     assert_quantized_as(written, out)
 
@@ -466,9 +459,6 @@ def test_fp8_linear_takes_the_fused_quantizers_output():
                 x = randn(gen, m, k, dtype=dtype, scale=3.0)
                 acts = TritonOps().rms_norm_fp8(x, torch.ones(k, dtype=dtype, device=DEVICE), 1e-6, write_out=True)
                 assert torch.equal(layer(acts), layer(acts.x))
-                # deferred (the split silu_and_mul_fp8's form): 16-bit rows + per-block maxima (blocks of 32)
-                amax = acts.x.float().abs().reshape(m, 3, 32).amax(dim=-1)
-                assert torch.equal(layer(Fp8Activations(None, None, dtype, acts.x, amax)), layer(acts.x))
     layer.activation_quant = "none"
     assert torch.equal(layer(acts), layer(acts.x))
     with pytest.raises(ValueError, match="16-bit"):

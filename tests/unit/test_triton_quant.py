@@ -171,57 +171,6 @@ def test_w8a16_split_k_reduces_in_launch(kernels, cfg: TileConfig) -> None:
     assert torch.equal(again, out)  # partials are added in split order, whatever the arrival order
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
-def test_w8a16_partial_amax_mode_is_the_prequantized_bits(kernels, m: int) -> None:
-    """``act_quant="per_token_amax"``: the scale from the producer's per-block maxima (3 blocks of 32 and a
-    ragged one of 8 over K = 104, a zero row among them) and each tile quantized in registers give exactly the
-    outputs of the kernel on the fused quantizer's e4m3 rows, on every path (GEMV, fp16 MMA, fp8 MMA, split K,
-    prefetched tiles); mismatched ``x_amax`` arguments are refused, naming the field."""
-    w8a16 = kernels[0]
-    x, w_q, w_scale, b = _fp8_case(m, 37, 104, torch.bfloat16, True, seed=40 + m)
-    x = x * torch.logspace(-2, 2, m, device=DEVICE).to(x.dtype).unsqueeze(1)
-    x[m // 2] = 0.0
-    padded = torch.nn.functional.pad(x.float().abs(), (0, 128 - 104))  # [m, 128]: blocks of 32, the last ragged
-    amax = padded.reshape(m, 4, 32).amax(dim=-1)  # [m, 4] fp32
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), FP8_DOT, dataclasses.replace(FP8_DOT, block_k=32,
-                                                                                         split_k=3),
-                PREFETCHED[0], PREFETCHED[1]):
-        ref = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters, act_quant="per_token_prequant")
-        out = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters, act_quant="per_token_amax",
-                                 x_amax=amax)
-        assert torch.equal(out, ref), cfg
-    with pytest.raises(ValueError, match="x_amax"):
-        w8a16.w8a16_linear(x, w_q, w_scale, b, act_quant="per_token_amax")
-    with pytest.raises(ValueError, match="x_amax"):
-        w8a16.w8a16_linear(x, w_q, w_scale, b, act_quant="per_token", x_amax=amax)
-    with pytest.raises(ValueError, match="x_amax"):
-        w8a16.w8a16_linear(x, w_q, w_scale, b, act_quant="per_token_amax", x_amax=amax[:, 0])
-
-
-@pytest.mark.parametrize("m", [1, 3, 17])
-def test_w8a16_packed_tiles_give_the_row_major_bits(kernels, m: int) -> None:
-    """``pack_weight_tiles``' layout changes only where the kernel reads each weight tile, not what it sums or
-    in which order: the outputs equal the row-major weight's bit for bit, on every path (GEMV, fp16 MMA, fp8
-    MMA, split K, prefetched tiles), and a configuration whose tile differs from the packing is refused."""
-    w8a16 = kernels[0]
-    x, w_q, w_scale, b = _fp8_case(m, 48, 192, torch.bfloat16, True, seed=20 + m)
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    for cfg in (GEMV, dataclasses.replace(DOT, block_k=64), dataclasses.replace(FP8_DOT, split_k=3),
-                dataclasses.replace(FP8_DOT, split_k=0, prefetch=1), dataclasses.replace(FP8_DOT, prefetch=2)):
-        packed = w8a16.pack_weight_tiles(w_q, cfg.block_n, cfg.block_k)
-        assert torch.equal(packed[1, 2].view(torch.uint8),
-                           w_q[cfg.block_n:2 * cfg.block_n, 2 * cfg.block_k:3 * cfg.block_k].view(torch.uint8))
-        for act_quant in ("per_token", "per_token_prequant"):
-            ref = w8a16.w8a16_linear(x, w_q, w_scale, b, config=cfg, counters=counters, act_quant=act_quant)
-            out = w8a16.w8a16_linear(x, packed, w_scale, b, config=cfg, counters=counters, act_quant=act_quant)
-            assert torch.equal(out, ref), (cfg, act_quant)
-    with pytest.raises(ValueError, match="tiles of"):
-        w8a16.w8a16_linear(x, w8a16.pack_weight_tiles(w_q, 16, 64), w_scale, config=dataclasses.replace(DOT))
-    with pytest.raises(ValueError, match="does not divide"):
-        w8a16.pack_weight_tiles(w_q, 32, 64)
-
-
 def test_w8a16_table_strided_and_empty(kernels) -> None:
     w8a16 = kernels[0]
     x, w_q, w_scale, _ = _fp8_case(2, 24, 64, torch.bfloat16, False)

@@ -79,7 +79,6 @@ def forward_on_cpu(num_heads, num_kv_heads, head_dim, dtype, num_splits, query_l
     backend.forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta)
     cos_sin = torch.zeros(t, 2, head_dim, dtype=dtype)  # the rope tables' layout (layers/rope.py: row stride 2 d)
     backend.forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta, rope=(cos_sin[:, 0:1], cos_sin[:, 1:2]))
-    backend.forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta, head_amax=True)  # the heads' maxima too
 
 
 def compile_launches(launches: list, target: GPUTarget) -> int:

@@ -17,11 +17,8 @@ against 13.2 at one row (benchmarks/results/fp8_tiles_h100.json), which the bf16
 2. ``picked``: per row bucket of the table (8, 32) and shape, the fastest configuration summed over that bucket's
    swept row counts, kept only when it beats the table's by ``--min-gain`` (else the table's): the entries of
    ``W8A16_TILES.by_shape``, printed ready to paste.
-3. ``step``: ``gpu_engine.time_decode_steps`` (median engine step, graph replay) of the FP8 dummy Llama-3.1-8B at
-   ``--batches`` with the table as it is (``table``) and with ``picked`` as ``by_shape`` overrides (``by_shape``),
-   alternated over ``--rounds`` rounds with graphs captured afresh; the bf16 step at batch 1 for
-   ``fp8_speedup_b1``; the logits of a decode row and of an 8-token verify of 2 sequences under ``by_shape`` against
-   ``table`` (equal, argmax agreement, largest difference: other tiles change the sum order only).
+3. ``step``: whole FP8 decode steps (``fp8_step_ab.py``) with the table as it is (``table``) and with ``picked`` as
+   ``by_shape`` overrides (``by_shape``); other tiles change the logits' fp32 sum order only.
 
 Result on an H100 (results/w8a16_shapes_h100.json, which also timed three settings of commit b81dd64 that were
 removed after it): the per-shape winners (32 x 256 for down, 32 x 128 for qkv and o at one row; 4-14% faster
@@ -33,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,12 +40,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
+from benchmarks.fp8_step_ab import add_step_args, fp8_step_ab_args  # noqa: E402
 from benchmarks.quant_gemm_gpu import copies, time_calls  # noqa: E402
 from specserve.layers import quant_tiles  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig  # noqa: E402
 from specserve.layers.triton_w8a16 import w8a16_linear  # noqa: E402
-from specserve.models.shapes import shape_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -144,52 +140,9 @@ def by_shape(picked: dict) -> dict:
 
 
 def step(out: dict, args, picked: dict, device: torch.device) -> None:
-    dtype = torch.bfloat16
-    config = shape_config("llama-3.1-8b")
-    model = ge.dummy_model(config, args.max_model_len, dtype, device)
-    engine = ge.engine_for(model, config, device, max(args.batches), 4.0, args.max_model_len, 8192, proposers={})
-    r = ge.time_decode_steps(engine, device, 1, args.prompt_len, args.steps)
-    out["bf16_b1"] = {k: r[k] for k in ("median_step_s", "graph_replay_s")}
-    print(f"bf16 b1: step {r['median_step_s'] * 1e3:.3f} ms, replay {r['graph_replay_s']}", flush=True)
-    del engine
-    ge.quantize_model(model, "fp8")
-    ge.free(device)
     shapes = by_shape(picked)
-    settings = {"table": None, "by_shape": shapes}  # name -> by_shape overrides
-    times = {s: {str(b): {"median_step_s": [], "graph_replay_s": []} for b in args.batches} for s in settings}
-    logits, inputs = {}, None
-    for _ in range(args.rounds):
-        for setting, table in settings.items():
-            with quant_tiles.override(W8A16_TILES, by_shape=table):
-                engine = ge.engine_for(model, config, device, max(args.batches), 4.0, args.max_model_len, 8192,
-                                       proposers={})
-                for b in args.batches:
-                    r = ge.time_decode_steps(engine, device, b, args.prompt_len, args.steps)
-                    for key in ("median_step_s", "graph_replay_s"):
-                        times[setting][str(b)][key].append(r[key])
-                    print(f"fp8 {setting} b{b}: step {r['median_step_s'] * 1e3:.3f} ms, replay "
-                          f"{r['graph_replay_s']}", flush=True)
-                # a decode row and a 2 x 8-token verify (16 rows: the split silu_and_mul_fp8 takes both)
-                inputs = inputs or [ge.forward_inputs(engine.runner, 1, args.prompt_len, 1),
-                                    ge.forward_inputs(engine.runner, 2, args.prompt_len, 8)]
-                logits[setting] = torch.cat([ge.logits_of(engine.runner, i, graphs=False).float() for i in inputs])
-                del engine
-                ge.free(device)
-    med = {s: {b: {k: statistics.median(v) for k, v in r.items() if None not in v} for b, r in t.items()}
-           for s, t in times.items()}  # graph_replay_s is None without graphs (CPU)
-    out["fp8"] = {"median": med, "runs": times}
-    out["speedup_vs_table"] = {s: {b: {k: med["table"][b][k] / med[s][b][k] for k in med["table"][b]}
-                                   for b in med["table"]} for s in settings if s != "table"}
-    out["fp8_speedup_b1"] = {s: out["bf16_b1"]["median_step_s"] / med[s]["1"]["median_step_s"] for s in med}
-    out["verify_logits_vs_table"] = {}
-    for s_name in settings:
-        diff = (logits["table"] - logits[s_name]).abs()
-        out["verify_logits_vs_table"][s_name] = {
-            "equal": bool(torch.equal(logits["table"], logits[s_name])), "max_abs_diff": diff.max().item(),
-            "rel_l2": (diff.norm() / logits["table"].norm()).item(),
-            "argmax_agreement": (logits["table"].argmax(-1) == logits[s_name].argmax(-1)).float().mean().item()}
-    print(json.dumps({k: out[k] for k in ("speedup_vs_table", "fp8_speedup_b1", "verify_logits_vs_table")},
-                     indent=1), flush=True)
+    fp8_step_ab_args(out, {"table": lambda: quant_tiles.override(W8A16_TILES, by_shape=None),
+                           "by_shape": lambda: quant_tiles.override(W8A16_TILES, by_shape=shapes)}, device, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,15 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.02)
     ap.add_argument("--launches", type=int, default=20)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--no-step", action="store_true")
+    add_step_args(ap, batches="1,8,32")
     args = ap.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
-    args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda")
     rep: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(device),
                  "torch": torch.__version__, "errors": {}, "sweep": {}}

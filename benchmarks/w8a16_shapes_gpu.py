@@ -45,6 +45,7 @@ from benchmarks.quant_gemm_gpu import copies, time_calls  # noqa: E402
 from specserve.layers import quant_tiles  # noqa: E402
 from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 from specserve.layers.quant_tiles import W8A16_TILES, TileConfig  # noqa: E402
+from specserve.layers.triton_splitk import split_counters  # noqa: E402
 from specserve.layers.triton_w8a16 import w8a16_linear  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -72,7 +73,7 @@ def sweep(out: dict, rows: list[int], device: torch.device, copy_bw: float, laun
         w_scale = w_scale.reshape(1, -1).contiguous()
         nbytes = n * k + 4 * n
         sets = copies((w_q,), nbytes, launches)
-        counters = torch.zeros(4 * (n // 8 + 1), dtype=torch.int32, device=device)
+        counters = split_counters(n, device)
         for m in rows:
             x_q, x_scale = quantize_fp8_rows(torch.randn(m, k, generator=gen, device=device,
                                                          dtype=torch.bfloat16) * 4)
@@ -126,15 +127,14 @@ def pick(swept: dict, rows: list[int], min_gain: float) -> dict:
     return picked
 
 
-def config_of(described: str) -> TileConfig:
-    return eval(described, {"TileConfig": TileConfig})  # noqa: S307 - our own describe() strings
-
-
 def by_shape(picked: dict) -> dict:
+    """``pick``'s choices as ``W8A16_TILES.by_shape`` entries (the table's buckets, the picked ones replaced)."""
+    timed = {c.describe(): c for m in (1, max(W8A16_TILES.by_rows))  # every configuration the sweep can time
+             for c in (*W8A16_TILES.by_rows.values(), *sweep_configs(m))}
     table = {}
     for name, per_bucket in picked.items():
         entry = dict(W8A16_TILES.by_rows)
-        entry.update({int(b): config_of(p["config"]) for b, p in per_bucket.items()})
+        entry.update({int(b): timed[p["config"]] for b, p in per_bucket.items()})
         table[SHAPES[name]] = entry
     return table
 

@@ -219,7 +219,8 @@ FUSE_FP8_ACT_QUANT = True
 
 # The FP8 MLP block of a one-row step (a batch-1 decode) as one persistent launch (layers/triton_fused_mlp.py:
 # residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),
-# when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm", or None
+# when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm" (and
+# "mma": True for the tensor-core, stream-K kernel of layers/triton_streamk_mlp.py), or None
 # (off). Read at every layer call (models/llama.py), so set it before the engine captures its CUDA graphs.
 # Off: on an H100 the block alone ties the five launches (69.5 vs 68.8 us, benchmarks/results/
 # persistent_mlp_twobarrier_h100.json) and the whole b1 FP8 step with it on is slower (graph replay 4.13 vs 3.28 ms,

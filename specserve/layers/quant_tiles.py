@@ -219,12 +219,19 @@ FUSE_FP8_ACT_QUANT = True
 
 # The FP8 MLP block of a one-row step (a batch-1 decode) as one persistent launch (layers/triton_fused_mlp.py:
 # residual add + RMSNorm + e4m3 quantizer + gate|up + SiLU-and-mul + barrier + down, instead of five launches),
-# when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm" (and
-# "mma": True for the tensor-core, stream-K kernel of layers/triton_streamk_mlp.py), or None
+# when the model's shapes tile: {"bn1", "bk1", "bn2", "bk2", "num_warps", "stages"} and "programs_per_sm", or None
 # (off). Read at every layer call (models/llama.py), so set it before the engine captures its CUDA graphs.
 # Off: on an H100 the block alone ties the five launches (69.5 vs 68.8 us, benchmarks/results/
 # persistent_mlp_twobarrier_h100.json) and the whole b1 FP8 step with it on is slower (graph replay 4.13 vs 3.28 ms,
-# fp8_b1_fused_mlp_h100.json).
+# fp8_b1_fused_mlp_h100.json; 6.35 vs 3.23 ms in stop 45's run, fp8_b1_streamk_chain_h100.json).
+# Tried in stop 45 and removed (commit c4b67eb has the code, layers/triton_streamk_mlp.py): the same block with its
+# products on the tensor cores (e4m3 wgmma on 64-row tiles; narrower fp8 tiles compile to fp16 MMAs behind a
+# conversion of every weight) and the work shared out stream-K (every program an equal range of K chunks, tiles cut
+# between programs summed in slot order by the last to arrive). Bit for bit the five launches' output at every
+# tiling, but 74-87 us a block on an H100 against their 67.9-70.9 (results/persistent_mlp_streamk_h100.json): faster
+# with more weight bytes in flight per multiprocessor (16 KiB chunks, 6 stages, 2 programs a multiprocessor) up to
+# ~75 us and no further; asking each program's first 64-256 KiB of down weights into L2 before the barriers
+# (prefetch.global.L2) added 0.3-3 us (persistent_mlp_streamk_pf_h100.json).
 FUSED_MLP_ONE_ROW: dict | None = None
 
 # bf16 / fp16 weights at verify row counts on the tensor cores (layers/triton_gemm.py): per weight shape (N, K), row

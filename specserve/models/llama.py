@@ -83,7 +83,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.ops = TorchOps()
-        self._one_row_state = None  # fused_one_row's buffers: (barrier counter, amax slots) or StreamKBuffers
+        self._one_row_state: tuple[torch.Tensor, torch.Tensor] | None = None  # (barrier counter, amax slots)
 
     def fused_one_row(
         self,
@@ -91,12 +91,11 @@ class MLP(nn.Module):
         residual: torch.Tensor,  # [1, hidden_size]: the residual stream before x is added
         norm: RMSNorm,  # post_attention_layernorm
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (MLP output, residual + x), each [1, hidden_size]; or None
-        """``norm`` and the block in one persistent launch (``triton_fused_mlp.fused_mlp_fp8``, or with ``"mma"``
-        in the configuration ``triton_streamk_mlp.streamk_mlp_fp8`` on the tensor cores; per-token e4m3
+        """``norm`` and the block in one persistent launch (``triton_fused_mlp.fused_mlp_fp8``, per-token e4m3
         activations as ``Fp8Linear``) when ``quant_tiles.FUSED_MLP_ONE_ROW`` is set, x is one bf16 row on CUDA,
         both projections are bias-free per-token ``Fp8Linear``s and the shapes tile; else None (the caller runs
-        the usual ops). Its buffers (counter and amax slots; the stream-K kernel's too) are made on the first
-        eager call (the engine runs a step before capturing a graph), never while a graph is being captured."""
+        the usual ops). Its counter and amax slots are made on the first eager call (the engine runs a step
+        before capturing a graph), never while a graph is being captured."""
         cfg = quant_tiles.FUSED_MLP_ONE_ROW
         gate_up, down = self.gate_up_proj, self.down_proj
         if (cfg is None or x.shape[0] != 1 or not x.is_cuda or x.dtype != torch.bfloat16
@@ -104,27 +103,17 @@ class MLP(nn.Module):
                 or gate_up.bias is not None or down.bias is not None
                 or gate_up.activation_quant != "per_token" or down.activation_quant != "per_token"):
             return None
-        from specserve.layers import triton_fused_mlp, triton_streamk_mlp  # lazily: Triton only where it runs
-        tiles = {k: v for k, v in cfg.items() if k not in ("programs_per_sm", "mma")}
+        from specserve.layers import triton_fused_mlp  # lazily: Triton only where it runs
+        tiles = {k: v for k, v in cfg.items() if k != "programs_per_sm"}
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count * cfg.get("programs_per_sm", 1)
-        kernel = triton_streamk_mlp if cfg.get("mma") else triton_fused_mlp
-        if kernel.tiling_problem(x.shape[1], self.intermediate_size, programs, tiles["bn1"], tiles["bk1"],
-                                 tiles["bn2"], tiles["bk2"]):
+        if triton_fused_mlp.tiling_problem(x.shape[1], self.intermediate_size, programs, tiles["bn1"],
+                                           tiles["bk1"], tiles["bn2"], tiles["bk2"]):
             return None
         if self._one_row_state is None:
             if torch.cuda.is_current_stream_capturing():
                 return None
-            if kernel is triton_streamk_mlp:
-                self._one_row_state = triton_streamk_mlp.StreamKBuffers.make(
-                    x.shape[1], self.intermediate_size, programs, tiles["bn1"], tiles["bk1"], tiles["bn2"],
-                    tiles["bk2"], x.device)
-            else:
-                self._one_row_state = (torch.zeros(1, dtype=torch.int32, device=x.device),
-                                       torch.zeros(2, dtype=torch.int32, device=x.device))
-        if kernel is triton_streamk_mlp:
-            return triton_streamk_mlp.streamk_mlp_fp8(
-                x, residual, norm.weight, gate_up.weight, gate_up.weight_scale, down.weight, down.weight_scale,
-                norm.eps, self._one_row_state, programs, **tiles)
+            self._one_row_state = (torch.zeros(1, dtype=torch.int32, device=x.device),
+                                   torch.zeros(2, dtype=torch.int32, device=x.device))
         counter, amax = self._one_row_state
         return triton_fused_mlp.fused_mlp_fp8(
             x, residual, norm.weight, gate_up.weight, gate_up.weight_scale, down.weight, down.weight_scale,

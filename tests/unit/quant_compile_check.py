@@ -43,7 +43,6 @@ from specserve.layers import (  # noqa: E402
     triton_gemm,
     triton_gemv,
     triton_pdl,
-    triton_streamk_mlp,
     triton_w4a16,
     triton_w8a16,
 )
@@ -52,7 +51,7 @@ from specserve.layers.quant_gpu import quantize_fp8_rows  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ((triton_w8a16, "_w8a16_kernel"), (triton_w8a16, "_quantize_fp8_rows_kernel"),
            (triton_w4a16, "_w4a16_kernel"), (triton_gemv, "_gemv_kernel"), (triton_gemm, "_gemm_kernel"),
-           (triton_fused_mlp, "_fused_mlp_kernel"), (triton_streamk_mlp, "_streamk_mlp_kernel"))
+           (triton_fused_mlp, "_fused_mlp_kernel"))
 
 
 class Recorder:
@@ -185,12 +184,6 @@ def table_calls(quick: bool):
                                                1e-5, torch.zeros(1, dtype=torch.int32), 132,
                                                amax=torch.zeros(2, dtype=torch.int32), act_quant=act_quant, bn1=bn1,
                                                bk1=bk1, bn2=bn2, bk2=bk2, num_warps=warps, stages=stages)
-        for bn1, bk1, bn2, bk2, warps, stages, per_sm, pf in load_benchmark("persistent_mlp_gpu").STREAMK_TILINGS:
-            p = 132 * per_sm
-            bufs = triton_streamk_mlp.StreamKBuffers.make(hidden, inter, p, bn1, bk1, bn2, bk2, torch.device("cpu"))
-            triton_streamk_mlp.streamk_mlp_fp8(x1, x1, x1[0], w_gu, torch.ones(2 * inter), w_d, torch.ones(hidden),
-                                               1e-5, bufs, p, bn1=bn1, bk1=bk1, bn2=bn2, bk2=bk2, num_warps=warps,
-                                               stages=stages, prefetch_kib=pf)
         for (n, k), buckets in quant_tiles.BF16_GEMM_TILES.items():  # per-shape tensor-core GEMM entries
             w16 = torch.zeros(n, k, dtype=torch.bfloat16)
             for m, cfg in buckets.items():

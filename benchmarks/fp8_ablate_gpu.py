@@ -12,7 +12,12 @@ into a neighbour could save:
 - ``no_act_quant``: the per-token quantizer before ``o_proj`` (the attention output's e4m3 rows and scales);
 - ``no_rope``: the rotary embedding (its own launch beside the KV write);
 - ``no_norm``: the residual add + RMSNorm (+ quantizer) before ``qkv`` and ``gate_up``;
-- ``no_small``: all of the above.
+- ``no_small``: all of the above;
+- ``no_attn``: the attention backend's launches (rope + KV write, decode attention, the split merge);
+- ``no_qkv`` / ``no_o``: the qkv / o projection of every layer (its weights not read at all);
+- ``no_attn_half``: everything between the input norm and the MLP's norm (qkv, attention, the quantizer, o).
+
+``--variants`` picks some (default all).
 
 Times are ``gpu_engine.time_decode_steps``'s (median engine step, graph replay alone) for bf16 and fp8 (bf16 LM
 head, as the bar's figure), so ``bf16 / variant`` says which fusions could reach the issue's 1.7x.
@@ -32,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks.gpu_engine as ge  # noqa: E402
-from specserve.layers import triton_ops, triton_w8a16  # noqa: E402
+from specserve.layers import triton_attention, triton_ops, triton_w8a16  # noqa: E402
 from specserve.layers.quant_gpu import Fp8Activations  # noqa: E402
 from specserve.models.shapes import shape_config  # noqa: E402
 
@@ -52,8 +57,9 @@ class Cache:
 
 
 @contextlib.contextmanager
-def ablate(names: set[str], cache: Cache):
-    """Patch ``TritonOps`` / the W8A16 quantizer so the named launches do not happen."""
+def ablate(names: set[str], cache: Cache, model):
+    """Patch ``TritonOps`` / the W8A16 quantizer / the attention backend / ``model``'s projections so the named
+    launches do not happen."""
     cls, saved = triton_ops.TritonOps, {}
 
     def patch(owner, attr, fn):
@@ -78,18 +84,39 @@ def ablate(names: set[str], cache: Cache):
         patch(cls, "fused_add_rms_norm", lambda self, x, res, w, eps: cache.get("norm", x.shape, x.dtype))
         patch(cls, "fused_add_rms_norm_fp8",
               lambda self, x, res, w, eps, write_out=False: fp8_out("norm", x.shape[0], x.shape[1], x.dtype))
+    if "attn" in names:
+        patch(triton_attention.TritonAttentionBackend, "forward",
+              lambda self, q, k, v, kc, vc, meta, rope=None: cache.get("attn", q.shape, q.dtype))
+    projections = [(layer.self_attn, name) for layer in model.layers for name in ("qkv", "o") if name in names]
+    for attn, name in projections:
+        proj = getattr(attn, name + "_proj")
+        rows = proj.weight.shape[0]
+        proj.forward = (lambda x, rows=rows, name=name: cache.get(name, (_rows(x), rows), torch.bfloat16))
     try:
         yield
     finally:
         for (owner, attr), fn in saved.items():
             setattr(owner, attr, fn)
+        for attn, name in projections:
+            del getattr(attn, name + "_proj").forward  # the class's forward again
+
+
+def _rows(x) -> int:
+    """Rows of a projection input: a tensor or ``Fp8Activations`` (e4m3 rows + scales)."""
+    return x.shape[0] if isinstance(x, torch.Tensor) else x.x_q.shape[0]
 
 
 VARIANTS = {"base": set(), "no_silu": {"silu"}, "no_act_quant": {"act_quant"}, "no_rope": {"rope"},
-            "no_norm": {"norm"}, "no_small": {"silu", "act_quant", "rope", "norm"}}
+            "no_norm": {"norm"}, "no_small": {"silu", "act_quant", "rope", "norm"}, "no_attn": {"attn"},
+            "no_qkv": {"qkv"}, "no_o": {"o"}, "no_attn_half": {"qkv", "attn", "act_quant", "o"}}
 
 
 def main() -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    args = ap.parse_args()
+    variants = {v: VARIANTS[v] for v in ["base"] + [v for v in args.variants.split(",") if v != "base"]}
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = shape_config("llama-3.1-8b")
     out_path = Path(os.environ.get("OUT", "benchmarks/results")) / "fp8_ablate_gpu.json"
@@ -102,10 +129,10 @@ def main() -> int:
         if method == "fp8":
             ge.quantize_model(model, "fp8")
             ge.free(device)
-        for variant, names in VARIANTS.items():
+        for variant, names in variants.items():
             if method == "bf16" and variant == "no_act_quant":
                 continue  # no quantizer in bf16
-            with ablate(names, cache):
+            with ablate(names, cache, model):
                 engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})
                 r = ge.time_decode_steps(engine, device, 1, 512, 20)
                 del engine

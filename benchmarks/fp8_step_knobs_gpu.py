@@ -14,6 +14,11 @@ bf16 step for the issue-6 ratio, logits against the default's; other splits chan
 
 Result on an H100 (results/fp8_step_knobs_h100.json): 2 waves (the default) fastest, 1 wave x0.982 at batch 1 and
 x0.985 at batch 8, 4 waves x0.933 / x0.938.
+
+``balanced`` / ``balanced_gu1``: the split that shares the programs out most evenly over the multiprocessors
+(``balanced_split``): 2 waves put 288 qkv programs on 132 multiprocessors (2 or 3 each, so the busiest streams
+3 / 2.18 of its share: 73% of the bytes' pace), 320 o and down programs (81%), 448 gate_up programs (85%); 4 splits
+(384, 256, 256: 97%) and 2 for gate_up (896: 97%) do better on paper. ``balanced_gu1`` keeps gate_up unsplit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,43 @@ WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the default
 CHOOSE_SPLIT_K = triton_splitk.choose_split_k  # the library's, whatever is patched in later
 
 
+def balanced_split(k_tiles: int, num_tiles: int, sms: int, min_tiles_per_split: int = 2,
+                   max_per_sm: int = 8) -> int:
+    """The split count (dividing ``k_tiles``: equal K ranges) whose programs (``num_tiles x split``, between one and
+    ``max_per_sm`` per multiprocessor) share out most evenly: the least ``ceil(programs / sms) / (programs / sms)``,
+    the fewest programs among equals. E.g. 96 tiles (qkv at one row) of 32 K tiles on 132 multiprocessors: 4 (384
+    programs, 3 a multiprocessor at most for 2.91 on average)."""
+    best, best_cost = 1, float("inf")
+    for split in range(1, max(1, k_tiles // min_tiles_per_split) + 1):
+        programs = num_tiles * split
+        if k_tiles % split or (programs < sms and split < k_tiles // min_tiles_per_split):
+            continue  # K ranges of unequal length, or less than one program a multiprocessor
+        if programs > max_per_sm * sms:
+            break
+        cost = -(-programs // sms) / (programs / sms)
+        if cost < best_cost - 1e-9:
+            best, best_cost = split, cost
+    return best
+
+
+@contextlib.contextmanager
+def with_balance(split_gate_up: bool = True) -> Iterator[None]:
+    """``triton_splitk.choose_split_k`` choosing ``balanced_split`` for automatic splits (``split_gate_up``
+    False: output tiles that already fill the multiprocessors stay unsplit)."""
+    def choose(config, k_tiles, num_tiles, device, min_tiles_per_split=2):
+        if config.split_k > 0:
+            return config.split_k
+        sms = triton_splitk.num_sms(device)
+        if not split_gate_up and num_tiles >= sms:
+            return 1
+        return balanced_split(k_tiles, num_tiles, sms, min_tiles_per_split)
+    triton_splitk.choose_split_k = choose
+    try:
+        yield
+    finally:
+        triton_splitk.choose_split_k = CHOOSE_SPLIT_K
+
+
 @contextlib.contextmanager
 def with_waves(waves: int) -> Iterator[None]:
     """``triton_splitk.choose_split_k`` asking for ``waves`` waves of programs inside the block."""
@@ -57,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "fp8_step_knobs_gpu.json"))
+    ap.add_argument("--settings", default="waves2,waves1,waves4,balanced,balanced_gu1",
+                    help="comma-separated settings (the first listed of WAVES is the baseline)")
     add_step_args(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -64,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                  "torch": torch.__version__, "errors": {}}
     t0 = time.perf_counter()
     try:
-        fp8_step_ab_args(rep, {name: functools.partial(with_waves, waves) for name, waves in WAVES.items()},
-                         device, args)
+        settings = {name: functools.partial(with_waves, waves) for name, waves in WAVES.items()
+                    if name in args.settings.split(",")}
+        settings |= {name: functools.partial(with_balance, name == "balanced") for name in ("balanced", "balanced_gu1")
+                     if name in args.settings.split(",")}
+        fp8_step_ab_args(rep, settings, device, args)
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         rep["errors"]["run"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
         print(f"!!! {exc}", flush=True)

@@ -25,6 +25,7 @@ head, as the bar's figure), so ``bf16 / variant`` says which fusions could reach
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -90,8 +91,8 @@ def ablate(names: set[str], cache: Cache, model):
     projections = [(layer.self_attn, name) for layer in model.layers for name in ("qkv", "o") if name in names]
     for attn, name in projections:
         proj = getattr(attn, name + "_proj")
-        rows = proj.weight.shape[0]
-        proj.forward = (lambda x, rows=rows, name=name: cache.get(name, (_rows(x), rows), torch.bfloat16))
+        out_features = proj.weight.shape[0]
+        proj.forward = (lambda x, n=out_features, name=name: cache.get(name, (_rows(x), n), torch.bfloat16))
     try:
         yield
     finally:
@@ -112,7 +113,6 @@ VARIANTS = {"base": set(), "no_silu": {"silu"}, "no_act_quant": {"act_quant"}, "
 
 
 def main() -> int:
-    import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     args = ap.parse_args()

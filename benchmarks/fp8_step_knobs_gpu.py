@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fp8_step_ab import add_step_args, fp8_step_ab_args  # noqa: E402
 from specserve.layers import triton_splitk  # noqa: E402
 
-WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the default
+WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the library's default
 CHOOSE_SPLIT_K = triton_splitk.choose_split_k  # the library's, whatever is patched in later
 
 
@@ -65,9 +65,24 @@ def balanced_split(k_tiles: int, num_tiles: int, sms: int, min_tiles_per_split: 
 
 
 @contextlib.contextmanager
-def with_balance(split_gate_up: bool = True) -> Iterator[None]:
-    """``triton_splitk.choose_split_k`` choosing ``balanced_split`` for automatic splits (``split_gate_up``
-    False: output tiles that already fill the multiprocessors stay unsplit)."""
+def split_choice(choose) -> Iterator[None]:
+    """``choose`` (``choose_split_k``'s signature) in place of ``triton_splitk.choose_split_k`` inside the block."""
+    triton_splitk.choose_split_k = choose
+    try:
+        yield
+    finally:
+        triton_splitk.choose_split_k = CHOOSE_SPLIT_K
+
+
+def with_waves(waves: int) -> contextlib.AbstractContextManager:
+    """The library's split choice asking for ``waves`` waves of programs."""
+    return split_choice(lambda config, k_tiles, num_tiles, device, min_tiles_per_split=2: CHOOSE_SPLIT_K(
+        config, k_tiles, num_tiles, device, waves=waves, min_tiles_per_split=min_tiles_per_split))
+
+
+def with_balance(split_gate_up: bool = True) -> contextlib.AbstractContextManager:
+    """``balanced_split`` for automatic splits (``split_gate_up`` False: output tiles that already fill the
+    multiprocessors stay unsplit)."""
     def choose(config, k_tiles, num_tiles, device, min_tiles_per_split=2):
         if config.split_k > 0:
             return config.split_k
@@ -75,32 +90,19 @@ def with_balance(split_gate_up: bool = True) -> Iterator[None]:
         if not split_gate_up and num_tiles >= sms:
             return 1
         return balanced_split(k_tiles, num_tiles, sms, min_tiles_per_split)
-    triton_splitk.choose_split_k = choose
-    try:
-        yield
-    finally:
-        triton_splitk.choose_split_k = CHOOSE_SPLIT_K
+    return split_choice(choose)
 
 
-@contextlib.contextmanager
-def with_waves(waves: int) -> Iterator[None]:
-    """``triton_splitk.choose_split_k`` asking for ``waves`` waves of programs inside the block."""
-    def choose(config, k_tiles, num_tiles, device, min_tiles_per_split=2):
-        return CHOOSE_SPLIT_K(config, k_tiles, num_tiles, device, waves=waves,
-                              min_tiles_per_split=min_tiles_per_split)
-    triton_splitk.choose_split_k = choose
-    try:
-        yield
-    finally:
-        triton_splitk.choose_split_k = CHOOSE_SPLIT_K
+SETTINGS = {**{name: functools.partial(with_waves, waves) for name, waves in WAVES.items()},
+            "balanced": functools.partial(with_balance, True), "balanced_gu1": functools.partial(with_balance, False)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "fp8_step_knobs_gpu.json"))
-    ap.add_argument("--settings", default="waves2,waves1,waves4,balanced,balanced_gu1",
-                    help="comma-separated settings (the first listed of WAVES is the baseline)")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="comma-separated names of SETTINGS; the first is the baseline")
     add_step_args(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -108,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                  "torch": torch.__version__, "errors": {}}
     t0 = time.perf_counter()
     try:
-        settings = {name: functools.partial(with_waves, waves) for name, waves in WAVES.items()
-                    if name in args.settings.split(",")}
-        settings |= {name: functools.partial(with_balance, name == "balanced") for name in ("balanced", "balanced_gu1")
-                     if name in args.settings.split(",")}
-        fp8_step_ab_args(rep, settings, device, args)
+        fp8_step_ab_args(rep, {name: SETTINGS[name] for name in args.settings.split(",")}, device, args)
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         rep["errors"]["run"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
         print(f"!!! {exc}", flush=True)

@@ -9,6 +9,7 @@ into a neighbour could save:
 
 - ``no_silu``: ``silu_and_mul(_fp8)`` (the fp8 one is two launches at one row, each a serial chain of
   latencies on a few multiprocessors);
+- ``no_silu_q``: only the second of the two (the quantizer taking the row amax from per-block amaxes);
 - ``no_act_quant``: the per-token quantizer before ``o_proj`` (the attention output's e4m3 rows and scales);
 - ``no_rope``: the rotary embedding (its own launch beside the KV write);
 - ``no_norm``: the residual add + RMSNorm (+ quantizer) before ``qkv`` and ``gate_up``;
@@ -75,6 +76,8 @@ def ablate(names: set[str], cache: Cache, model):
         patch(cls, "silu_and_mul", lambda self, gu: cache.get("silu", (gu.shape[0], gu.shape[1] // 2), gu.dtype))
         patch(cls, "silu_and_mul_fp8",
               lambda self, gu, write_out=False: fp8_out("silu", gu.shape[0], gu.shape[1] // 2, gu.dtype))
+    if "silu_q" in names:  # only the split silu_and_mul_fp8's second launch (the quantizer over column blocks)
+        patch(triton_ops, "_quantize_blocks_kernel", _NoLaunch())
     if "act_quant" in names:
         patch(triton_w8a16, "quantize_fp8_rows_triton",
               lambda x, max_block=8192: (cache.get("aq.q", x.shape, torch.float8_e4m3fn),
@@ -102,14 +105,21 @@ def ablate(names: set[str], cache: Cache, model):
             del getattr(attn, name + "_proj").forward  # the class's forward again
 
 
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def _rows(x) -> int:
     """Rows of a projection input: a tensor or ``Fp8Activations`` (e4m3 rows + scales)."""
     return x.shape[0] if isinstance(x, torch.Tensor) else x.x_q.shape[0]
 
 
-VARIANTS = {"base": set(), "no_silu": {"silu"}, "no_act_quant": {"act_quant"}, "no_rope": {"rope"},
-            "no_norm": {"norm"}, "no_small": {"silu", "act_quant", "rope", "norm"}, "no_attn": {"attn"},
-            "no_qkv": {"qkv"}, "no_o": {"o"}, "no_attn_half": {"qkv", "attn", "act_quant", "o"}}
+VARIANTS = {"base": set(), "no_silu": {"silu"}, "no_silu_q": {"silu_q"}, "no_act_quant": {"act_quant"},
+            "no_rope": {"rope"}, "no_norm": {"norm"}, "no_small": {"silu", "act_quant", "rope", "norm"},
+            "no_attn": {"attn"}, "no_qkv": {"qkv"}, "no_o": {"o"}, "no_attn_half": {"qkv", "attn", "act_quant", "o"}}
 
 
 def main() -> int:
@@ -130,7 +140,7 @@ def main() -> int:
             ge.quantize_model(model, "fp8")
             ge.free(device)
         for variant, names in variants.items():
-            if method == "bf16" and variant == "no_act_quant":
+            if method == "bf16" and variant in ("no_act_quant", "no_silu_q"):
                 continue  # no quantizer in bf16
             with ablate(names, cache, model):
                 engine = ge.engine_for(model, config, device, 1, 4.0, 1024, 8192, proposers={})

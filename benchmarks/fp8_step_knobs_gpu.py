@@ -19,6 +19,10 @@ x0.985 at batch 8, 4 waves x0.933 / x0.938.
 (``balanced_split``): 2 waves put 288 qkv programs on 132 multiprocessors (2 or 3 each, so the busiest streams
 3 / 2.18 of its share: 73% of the bytes' pace), 320 o and down programs (81%), 448 gate_up programs (85%); 4 splits
 (384, 256, 256: 97%) and 2 for gate_up (896: 97%) do better on paper. ``balanced_gu1`` keeps gate_up unsplit.
+
+``o_none`` / ``down_none`` / ``o_down_none``: o_proj and / or down_proj take their 16-bit inputs unquantized
+(``unquantized_inputs``): one launch fewer before each (the per-token quantizer; silu_and_mul_fp8's second launch)
+for a weight conversion in every program. Other numerics (the logits comparison shows how far).
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_step_ab import add_step_args, fp8_step_ab_args  # noqa: E402
-from specserve.layers import triton_splitk  # noqa: E402
+from specserve.layers import quant_tiles, triton_splitk  # noqa: E402
+from specserve.layers.quant_gpu import Fp8Linear  # noqa: E402
+from specserve.layers.triton_w8a16 import w8a16_linear  # noqa: E402
+from specserve.models.shapes import shape_config  # noqa: E402
 
 WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the library's default
 CHOOSE_SPLIT_K = triton_splitk.choose_split_k  # the library's, whatever is patched in later
@@ -93,8 +100,42 @@ def with_balance(split_gate_up: bool = True) -> contextlib.AbstractContextManage
     return split_choice(choose)
 
 
+@contextlib.contextmanager
+def unquantized_inputs(projections: frozenset[str]) -> Iterator[None]:
+    """The named projections (``"o"``, ``"down"``) of the Llama-3.1-8B shape multiply their 16-bit inputs as they
+    are (``act_quant="none"``: e4m3 weights converted in registers, no per-token quantizer launch before them; for
+    down, silu_and_mul's one launch instead of the FP8 variant's two). Other maths than the default (activations
+    not rounded to e4m3), so the logits move."""
+    from specserve.models import llama
+    config = shape_config("llama-3.1-8b")
+    shapes = {"o": (config.hidden_size, config.num_attention_heads * config.head_dim),
+              "down": (config.hidden_size, config.intermediate_size)}
+    targets = {shapes[name] for name in projections}
+    forward, fuse = Fp8Linear.forward, llama.fuse_fp8_input
+
+    def patched_forward(self, x):
+        if (isinstance(x, torch.Tensor) and x.is_cuda and (self.out_features, self.in_features) in targets
+                and x.shape[0] <= quant_tiles.W8A16_MAX_ROWS):
+            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
+                                act_quant="none")
+        return forward(self, x)
+
+    def patched_fuse(proj, ops, op_name):
+        if op_name == "silu_and_mul_fp8" and "down" in projections:
+            return False
+        return fuse(proj, ops, op_name)
+
+    Fp8Linear.forward, llama.fuse_fp8_input = patched_forward, patched_fuse
+    try:
+        yield
+    finally:
+        Fp8Linear.forward, llama.fuse_fp8_input = forward, fuse
+
+
 SETTINGS = {**{name: functools.partial(with_waves, waves) for name, waves in WAVES.items()},
-            "balanced": functools.partial(with_balance, True), "balanced_gu1": functools.partial(with_balance, False)}
+            "balanced": functools.partial(with_balance, True), "balanced_gu1": functools.partial(with_balance, False),
+            **{name: functools.partial(unquantized_inputs, frozenset(projs)) for name, projs in
+               (("o_none", {"o"}), ("down_none", {"down"}), ("o_down_none", {"o", "down"}))}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,11 @@ kernel name, per step. Asserts nothing; prints a table and writes JSON.
 ``--quantization fp8|int4`` quantizes the decoder layers' projections first (``gpu_engine.quantize_model``),
 ``--no-fuse-act-quant`` turns off ``quant_tiles.FUSE_FP8_ACT_QUANT`` (on by default). Each row also counts
 kernel launches per step (``launches``): at batch 1 a launch's ramp-up and tail cost as much as a small kernel's
-work. Each mode also reports the GPU's idle time between kernels (``gaps``, from the profiler's trace: a kernel's
-start minus the previous kernel's end on its stream, summed per step, and per kernel name that the gap precedes):
+work. Each mode also reports the mean duration of each kernel per role in a layer (``by_role``: the W8A16
+kernel's launches as qkv, o, gate_up, down by their order; run with ``SPECSERVE_DISABLE_PDL=1`` for each
+kernel's own time, since under PDL a kernel's duration includes its wait) and the GPU's idle time between
+kernels (``gaps``, from the profiler's trace: a kernel's start minus the previous kernel's end on its stream,
+summed per step, and per kernel name that the gap precedes):
 graph replay time minus kernel time, where it goes.
 """
 
@@ -60,18 +63,47 @@ def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context:
             per_name[ev.key] += ev.device_time_total * 1e-6 / steps  # device_time_total: microseconds
             launches[ev.key] += ev.count / steps
     order = sorted(per_name, key=lambda k: -per_name[k])
-    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}, gaps(prof, steps)
+    events = trace_events(prof)
+    idle = gaps(events, steps)
+    idle["by_role"] = by_role(events, steps, runner.model_config.num_hidden_layers)
+    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}, idle
 
 
-def gaps(prof: profile, steps: int, big_s: float = 50e-6) -> dict:
-    """Idle time of the GPU between consecutive kernels (and copies) of one stream, from the profiler's trace:
-    per step in all, per name of the kernel that the gap precedes, and per (previous, next) pair for the largest.
-    Gaps over ``big_s`` (the host between steps) are left out and counted apart."""
+def trace_events(prof: profile) -> list[dict]:
+    """The profiler trace's GPU events (kernels, copies, memsets), each with ``ts`` and ``dur`` in microseconds."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def by_role(events: list[dict], steps: int, layers: int) -> dict[str, dict[str, float]]:
+    """Mean duration of each kernel by its role in a layer: a kernel launched ``r * layers`` times a step (r per
+    layer, in the same order in every layer) gets roles 0 .. r - 1 by its launch order, e.g. the W8A16 kernel's
+    four launches of a layer are qkv, o, gate_up, down (``name#0`` .. ``name#3``). Kernels launched another
+    number of times keep one role. With programmatic dependent launch a kernel's duration includes its wait for
+    the one before it: profile with ``SPECSERVE_DISABLE_PDL=1`` for each kernel's own time."""
+    by_name: dict[str, list[dict]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e["ts"]):
+        by_name[e["name"][:60]].append(e)
+    out: dict[str, dict[str, float]] = {}
+    for name, evs in by_name.items():
+        per_step = len(evs) // steps
+        per_layer = per_step // layers if per_step % layers == 0 and per_step >= layers else 0
+        roles: dict[str, list[float]] = defaultdict(list)
+        for i, e in enumerate(evs):
+            role = f"{name}#{(i % per_step) % per_layer}" if per_layer else name
+            roles[role].append(e["dur"])
+        for role, durs in roles.items():
+            out[role] = {"mean_us": sum(durs) / len(durs), "per_step": len(durs) / steps}
+    return out
+
+
+def gaps(events: list[dict], steps: int, big_s: float = 50e-6) -> dict:
+    """Idle time of the GPU between consecutive kernels (and copies) of one stream, from the profiler's trace
+    events (``trace_events``): per step in all, per name of the kernel that the gap precedes, and per (previous,
+    next) pair for the largest. Gaps over ``big_s`` (the host between steps) are left out and counted apart."""
     by_stream: dict = defaultdict(list)
     for e in events:
         by_stream[(e.get("pid"), e.get("tid"))].append(e)
@@ -137,6 +169,8 @@ def main() -> int:
                 print(f"    gap {t * 1e6:8.1f} us before {name}")
             for name, t in list(kernels.items())[:16]:
                 print(f"    {t * 1e6:9.1f} us {launches[name]:6.0f}x  {name[:100]}")
+            for role, r in sorted(idle["by_role"].items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["per_step"])[:16]:
+                print(f"    {r['mean_us']:8.2f} us x {r['per_step']:4.0f}  {role}")
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 

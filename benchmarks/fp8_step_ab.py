@@ -22,13 +22,14 @@ import benchmarks.gpu_engine as ge
 from specserve.models.shapes import shape_config
 
 
-def fp8_step_ab(out: dict, settings: dict[str, Callable[[], AbstractContextManager]], device: torch.device,
+def fp8_step_ab(out: dict, settings: dict[str, Callable[[torch.nn.Module], AbstractContextManager]],
+                device: torch.device,
                 batches: list[int], rounds: int = 2, steps: int = 20, prompt_len: int = 512,
                 max_model_len: int = 1024, shape: str = "llama-3.1-8b") -> None:
     """Fill ``out`` with ``bf16_b1``, ``fp8`` (per setting and batch: medians and every run),
     ``speedup_vs_first``, ``fp8_speedup_b1`` and ``logits_vs_first`` (equal, largest difference, relative L2,
-    argmax agreement). ``settings``: name -> a no-argument factory of the context in force while that setting's
-    engine is built and timed."""
+    argmax agreement). ``settings``: name -> a factory that takes the (FP8-quantized) model and returns the
+    context in force while that setting's engine is built and timed."""
     config = shape_config(shape)
     model = ge.dummy_model(config, max_model_len, torch.bfloat16, device)
     engine = ge.engine_for(model, config, device, max(batches), 4.0, max_model_len, 8192, proposers={})
@@ -42,7 +43,7 @@ def fp8_step_ab(out: dict, settings: dict[str, Callable[[], AbstractContextManag
     logits, inputs = {}, None
     for _ in range(rounds):
         for name, context in settings.items():
-            with context():
+            with context(model):
                 engine = ge.engine_for(model, config, device, max(batches), 4.0, max_model_len, 8192, proposers={})
                 for b in batches:
                     r = ge.time_decode_steps(engine, device, b, prompt_len, steps)
@@ -85,8 +86,8 @@ def add_step_args(ap: argparse.ArgumentParser, batches: str = "1,8") -> None:
     ap.add_argument("--shape", default="llama-3.1-8b", help="model shape of the steps")
 
 
-def fp8_step_ab_args(out: dict, settings: dict[str, Callable[[], AbstractContextManager]], device: torch.device,
-                     args: argparse.Namespace) -> None:
+def fp8_step_ab_args(out: dict, settings: dict[str, Callable[[torch.nn.Module], AbstractContextManager]],
+                     device: torch.device, args: argparse.Namespace) -> None:
     """``fp8_step_ab`` with ``add_step_args``' options."""
     fp8_step_ab(out, settings, device, [int(b) for b in args.batches.split(",")], args.rounds, args.steps,
                 args.prompt_len, args.max_model_len, args.shape)

@@ -43,10 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_step_ab import add_step_args, fp8_step_ab_args  # noqa: E402
-from specserve.layers import quant_tiles, triton_splitk  # noqa: E402
-from specserve.layers.quant_gpu import Fp8Linear  # noqa: E402
-from specserve.layers.triton_w8a16 import w8a16_linear  # noqa: E402
-from specserve.models.shapes import shape_config  # noqa: E402
+from specserve.layers import triton_splitk  # noqa: E402
 
 WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the library's default
 CHOOSE_SPLIT_K = triton_splitk.choose_split_k  # the library's, whatever is patched in later
@@ -101,40 +98,28 @@ def with_balance(split_gate_up: bool = True) -> contextlib.AbstractContextManage
 
 
 @contextlib.contextmanager
-def unquantized_inputs(projections: frozenset[str]) -> Iterator[None]:
-    """The named projections (``"o"``, ``"down"``) of the Llama-3.1-8B shape multiply their 16-bit inputs as they
-    are (``act_quant="none"``: e4m3 weights converted in registers, no per-token quantizer launch before them; for
-    down, silu_and_mul's one launch instead of the FP8 variant's two). Other maths than the default (activations
-    not rounded to e4m3), so the logits move."""
-    from specserve.models import llama
-    config = shape_config("llama-3.1-8b")
-    shapes = {"o": (config.hidden_size, config.num_attention_heads * config.head_dim),
-              "down": (config.hidden_size, config.intermediate_size)}
-    targets = {shapes[name] for name in projections}
-    forward, fuse = Fp8Linear.forward, llama.fuse_fp8_input
-
-    def patched_forward(self, x):
-        if (isinstance(x, torch.Tensor) and x.is_cuda and (self.out_features, self.in_features) in targets
-                and x.shape[0] <= quant_tiles.W8A16_MAX_ROWS):
-            return w8a16_linear(x, self.weight, self.weight_scale, self.bias, counters=self.split_counters,
-                                act_quant="none")
-        return forward(self, x)
-
-    def patched_fuse(proj, ops, op_name):
-        if op_name == "silu_and_mul_fp8" and "down" in projections:
-            return False
-        return fuse(proj, ops, op_name)
-
-    Fp8Linear.forward, llama.fuse_fp8_input = patched_forward, patched_fuse
+def unquantized_inputs(model: torch.nn.Module, projections: frozenset[str]) -> Iterator[None]:
+    """The named projections (``"o"``, ``"down"``) of every layer of ``model`` in ``Fp8Linear``'s activation mode
+    "none": they multiply their 16-bit inputs as they are (e4m3 weights converted in registers), so no per-token
+    quantizer runs before o_proj, and down's input comes from silu_and_mul's one launch instead of the FP8
+    variant's two (``models/llama.fuse_fp8_input`` asks for per-token projections). Other maths than the default
+    (activations not rounded to e4m3), so the logits move."""
+    modules = [layer.self_attn.o_proj if name == "o" else layer.mlp.down_proj
+               for layer in model.layers for name in sorted(projections)]
+    saved = [m.activation_quant for m in modules]
+    for m in modules:
+        m.activation_quant = "none"
     try:
         yield
     finally:
-        Fp8Linear.forward, llama.fuse_fp8_input = forward, fuse
+        for m, mode in zip(modules, saved):
+            m.activation_quant = mode
 
 
-SETTINGS = {**{name: functools.partial(with_waves, waves) for name, waves in WAVES.items()},
-            "balanced": functools.partial(with_balance, True), "balanced_gu1": functools.partial(with_balance, False),
-            **{name: functools.partial(unquantized_inputs, frozenset(projs)) for name, projs in
+# name -> a factory of the setting's context from the FP8 model (fp8_step_ab.py)
+SETTINGS = {**{name: (lambda model, waves=waves: with_waves(waves)) for name, waves in WAVES.items()},
+            "balanced": lambda model: with_balance(True), "balanced_gu1": lambda model: with_balance(False),
+            **{name: functools.partial(unquantized_inputs, projections=frozenset(projs)) for name, projs in
                (("o_none", {"o"}), ("down_none", {"down"}), ("o_down_none", {"o", "down"}))}}
 
 

@@ -41,8 +41,9 @@ from specserve.models.shapes import shape_config  # noqa: E402
 
 @torch.inference_mode()
 def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context: int, query_len: int,
-                 steps: int, graphs: bool) -> tuple[dict[str, float], dict[str, float], dict]:
-    """(Seconds of GPU time per step by kernel name, launches per step by kernel name, idle gaps (``gaps``)):
+                 steps: int, graphs: bool) -> tuple[dict[str, float], dict[str, float], dict, dict]:
+    """(Seconds of GPU time per step by kernel name, launches per step by kernel name, idle gaps (``gaps``),
+    mean kernel durations by role in a layer (``by_role``)):
     forward + LM head, ``steps`` steps after a warm-up; the forward replays the runner's CUDA graph when
     ``graphs``, eager otherwise."""
     ids, positions, query_lens, seq_lens, tables = ge.forward_inputs(runner, batch, context, query_len)
@@ -64,9 +65,8 @@ def kernel_times(runner: ModelRunner, device: torch.device, batch: int, context:
             launches[ev.key] += ev.count / steps
     order = sorted(per_name, key=lambda k: -per_name[k])
     events = trace_events(prof)
-    idle = gaps(events, steps)
-    idle["by_role"] = by_role(events, steps, runner.model_config.num_hidden_layers)
-    return {k: per_name[k] for k in order}, {k: launches[k] for k in order}, idle
+    return ({k: per_name[k] for k in order}, {k: launches[k] for k in order}, gaps(events, steps),
+            by_role(events, steps, runner.model_config.num_hidden_layers))
 
 
 def trace_events(prof: profile) -> list[dict]:
@@ -93,7 +93,7 @@ def by_role(events: list[dict], steps: int, layers: int) -> dict[str, dict[str, 
         per_layer = per_step // layers if per_step % layers == 0 and per_step >= layers else 0
         roles: dict[str, list[float]] = defaultdict(list)
         for i, e in enumerate(evs):
-            role = f"{name}#{(i % per_step) % per_layer}" if per_layer else name
+            role = f"{name}#{i % per_layer}" if per_layer else name  # per_layer divides per_step
             roles[role].append(e["dur"])
         for role, durs in roles.items():
             out[role] = {"mean_us": sum(durs) / len(durs), "per_step": len(durs) / steps}
@@ -159,17 +159,17 @@ def main() -> int:
         row = out["by_query_len"][str(q)] = {"graph_replay_s": replay}
         print(f"q={q}: graph replay {replay * 1e3:.2f} ms")
         for mode in ("eager", "graph"):
-            kernels, launches, idle = kernel_times(runner, device, args.batch, args.context, q, args.steps,
-                                                   mode == "graph")
+            kernels, launches, idle, roles = kernel_times(runner, device, args.batch, args.context, q, args.steps,
+                                                          mode == "graph")
             row[mode] = {"kernel_s_total": sum(kernels.values()), "launches": sum(launches.values()),
-                         "kernels_s": kernels, "launches_by_kernel": launches, "gaps": idle}
+                         "kernels_s": kernels, "launches_by_kernel": launches, "gaps": idle, "by_role": roles}
             print(f"  {mode} kernels {sum(kernels.values()) * 1e3:.2f} ms, {sum(launches.values()):.0f} launches,"
                   f" gaps {idle['gap_s'] * 1e3:.3f} ms")
             for name, t in list(idle["before_kernel_s"].items())[:6]:
                 print(f"    gap {t * 1e6:8.1f} us before {name}")
             for name, t in list(kernels.items())[:16]:
                 print(f"    {t * 1e6:9.1f} us {launches[name]:6.0f}x  {name[:100]}")
-            for role, r in sorted(idle["by_role"].items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["per_step"])[:16]:
+            for role, r in sorted(roles.items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["per_step"])[:16]:
                 print(f"    {r['mean_us']:8.2f} us x {r['per_step']:4.0f}  {role}")
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

@@ -141,8 +141,9 @@ def by_shape(picked: dict) -> dict:
 
 def step(out: dict, args, picked: dict, device: torch.device) -> None:
     shapes = by_shape(picked)
-    fp8_step_ab_args(out, {"table": lambda: quant_tiles.override(W8A16_TILES, by_shape=None),
-                           "by_shape": lambda: quant_tiles.override(W8A16_TILES, by_shape=shapes)}, device, args)
+    fp8_step_ab_args(out, {"table": lambda model: quant_tiles.override(W8A16_TILES, by_shape=None),
+                           "by_shape": lambda model: quant_tiles.override(W8A16_TILES, by_shape=shapes)}, device,
+                     args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,14 @@ x0.985 at batch 8, 4 waves x0.933 / x0.938.
 ``o_none`` / ``down_none`` / ``o_down_none``: o_proj and / or down_proj take their 16-bit inputs unquantized
 (``unquantized_inputs``): one launch fewer before each (the per-token quantizer; silu_and_mul_fp8's second launch)
 for a weight conversion in every program. Other numerics (the logits comparison shows how far).
+
+Result on an H100 (results/fp8_step_knobs_balanced_h100.json, two rounds, against waves2 at 3.57 ms b1 / 3.92-3.97
+b8): balanced x0.978 / x0.959, balanced_gu1 x1.004 / x0.997, o_none x1.001 / x0.990, down_none x0.989 / x0.981,
+o_down_none x1.000 / x0.98: none beats the default beyond noise, so the split rule and the quantized inputs stay.
+
+``TILE_SETTINGS`` (o_gemv8, qkv_gemv8, attn_gemv8, small_gemv8, o_split2, o_bn32, ...): other W8A16 tiles at one
+row for qkv / o / down only (``one_row_tiles``): the CUDA-core GEMV without split K (as the bf16 step's GEMV
+runs these shapes), fewer splits or narrower MMA tiles for o. Same products, another fp32 sum order.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_step_ab import add_step_args, fp8_step_ab_args  # noqa: E402
-from specserve.layers import triton_splitk  # noqa: E402
+from specserve.layers import quant_tiles, triton_splitk  # noqa: E402
+from specserve.layers.quant_tiles import W8A16_TILES, TileConfig  # noqa: E402
 
 WAVES = {"waves2": 2, "waves1": 1, "waves4": 4}  # the first is the library's default
 CHOOSE_SPLIT_K = triton_splitk.choose_split_k  # the library's, whatever is patched in later
@@ -116,11 +125,31 @@ def unquantized_inputs(model: torch.nn.Module, projections: frozenset[str]) -> I
             m.activation_quant = mode
 
 
+def one_row_tiles(tiles: dict[tuple[int, int], TileConfig]) -> contextlib.AbstractContextManager:
+    """``W8A16_TILES`` with these weight shapes ``(N, K)`` given their own tile at one row (a batch-1 decode: the
+    GEMV path serves up to 4 rows); every other row count and shape as in the table."""
+    return quant_tiles.override(W8A16_TILES, by_shape={
+        shape: {**W8A16_TILES.by_rows, 1: cfg} for shape, cfg in tiles.items()})
+
+
+# Llama-3.1-8B's attention-half and down projections (N, K); their W8A16 launches run at 1.7-2.5 TB/s in the
+# b1 step against gate_up's 2.8 on an H100 (results/profile_fp8_b1_nopdl_h100.json, by_role).
+QKV, O, DOWN = (6144, 4096), (4096, 4096), (4096, 14336)
+GEMV8 = TileConfig(8, 512, 4, 1, split_k=1, use_dot=False)  # CUDA-core GEMV, no split K: 512 programs for o
+GEMV16 = TileConfig(16, 512, 4, 1, split_k=1, use_dot=False)
+TILE_SETTINGS = {
+    "o_gemv8": {O: GEMV8}, "o_gemv16": {O: GEMV16}, "qkv_gemv8": {QKV: GEMV8}, "attn_gemv8": {QKV: GEMV8, O: GEMV8},
+    "small_gemv8": {QKV: GEMV8, O: GEMV8, DOWN: GEMV8},
+    "o_split2": {O: TileConfig(64, 128, 4, 4, split_k=2, fp8_dot=True, prefetch=1)},
+    "o_bn32": {O: TileConfig(32, 128, 4, 4, split_k=0, fp8_dot=True, prefetch=1)},
+}
+
 # name -> a factory of the setting's context from the FP8 model (fp8_step_ab.py)
 SETTINGS = {**{name: (lambda model, waves=waves: with_waves(waves)) for name, waves in WAVES.items()},
             "balanced": lambda model: with_balance(True), "balanced_gu1": lambda model: with_balance(False),
             **{name: functools.partial(unquantized_inputs, projections=frozenset(projs)) for name, projs in
-               (("o_none", {"o"}), ("down_none", {"down"}), ("o_down_none", {"o", "down"}))}}
+               (("o_none", {"o"}), ("down_none", {"down"}), ("o_down_none", {"o", "down"}))},
+            **{name: (lambda model, tiles=tiles: one_row_tiles(tiles)) for name, tiles in TILE_SETTINGS.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

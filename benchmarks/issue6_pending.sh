@@ -53,5 +53,5 @@ step fp8_step_knobs 150 python benchmarks/fp8_step_knobs_gpu.py \
 step fp8_ablate 150 env OUT="$OUT" python benchmarks/fp8_ablate_gpu.py \
   --variants no_attn,no_qkv,no_o,no_act_quant,no_silu_q,no_attn_half
 step decode_tiles_llama 120 python benchmarks/decode_tiles_ab_gpu.py --shape llama-3.1-8b --batches 1,8 \
-  --contexts 512,2048 --query-lens 1 --tile-keys 64 --num-splits 2,4,8 --out "$OUT/decode_tiles_ab_llama.json"
+  --contexts 512,2048 --query-lens 1 --tile-keys 32,64 --num-splits 2,4,8 --out "$OUT/decode_tiles_ab_llama.json"
 ls -l "$OUT"

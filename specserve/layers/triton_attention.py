@@ -59,7 +59,10 @@ MIN_KEYS_PER_SPLIT = 256
 DECODE_BLOCK_N_WIDE_HEADS = 128
 # Cap on automatic split counts. Whole Llama-3.1-8B-shape forwards on the H200 with 32 splits instead (batch 1 / 4 /
 # 8, contexts 512 / 2048 / 8192; benchmarks/results/decode_splits_ab_gpu.json): x0.94-0.996 at 512 and 2048, x0.99
-# at batch 1 and 8192, x1.015 / x1.036 only at batch 4 / 8 and 8192, so the cap stays.
+# at batch 1 and 8192, x1.015 / x1.036 only at batch 4 / 8 and 8192, so the cap stays. Fewer splits or narrower
+# tiles at short context did not pay either (H100, whole bf16 forwards, benchmarks/results/
+# decode_tiles_ab_llama_h100.json): against the graph's 16 splits of 128-key tiles at batch 1 / 8, contexts 512 /
+# 2048, 2 / 4 / 8 splits x0.93-1.01 and 32 / 64-key tiles x0.99-1.01.
 MAX_AUTO_SPLITS = 16
 # When the (sequence, kv head) programs of a decode step are fewer than the SMs, automatic split counts aim at
 # this many (sequence, kv head, split) programs per SM; with at least one per SM, no split. Timed on the H200

@@ -5,9 +5,10 @@
 #   1. on an H200 only: gpu_engine.py, the H200 figures of record (verify8_vs_decode_b32 with cuBLASLt on);
 #   2. fp8_step_knobs_gpu.py's TILE_SETTINGS: other one-row W8A16 tiles for qkv / o / down (the CUDA-core GEMV
 #      without split K, o with 2 splits or 32-wide MMA tiles) against the table, in whole FP8 decode steps;
-#   3.-6. on an H200 only (measured on an H100 in stop 47: results/*_h100.json): the FP8 batch-1 step profiled with
-#      programmatic dependent launch off (by role), the split-K / unquantized-input knobs, the attention-half
-#      ablations, and decode splits / tiles on the Llama-3.1-8B shape.
+#   3.-5. on an H200 only (measured on an H100 in stop 47: results/*_h100.json): the FP8 batch-1 step profiled with
+#      programmatic dependent launch off (by role), the split-K / unquantized-input knobs and the attention-half
+#      ablations (decode splits / tiles on the Llama-3.1-8B shape are not repeated: x0.93-1.01 on the H100,
+#      results/decode_tiles_ab_llama_h100.json).
 # Carry .whl (the nvmath-python wheel, for cuBLASLt) when the call should run gpu_engine.py as the engine runs;
 # it is put on PYTHONPATH here. Logs and JSON land in $OUT.
 #     bash benchmarks/issue6_pending.sh

@@ -31,6 +31,15 @@ o_down_none x1.000 / x0.98: none beats the default beyond noise, so the split ru
 ``TILE_SETTINGS`` (o_gemv8, qkv_gemv8, attn_gemv8, small_gemv8, o_split2, o_bn32, ...): other W8A16 tiles at one
 row for qkv / o / down only (``one_row_tiles``): the CUDA-core GEMV without split K (as the bf16 step's GEMV
 runs these shapes), fewer splits or narrower MMA tiles for o. Same products, another fp32 sum order.
+
+Result on an H100 (results/fp8_step_tiles_h100.json, stop 48, two rounds, against waves2 at 3.56 ms b1 / 3.96 b8;
+bf16 b1 5.45 ms): o_gemv8 x1.000 / x0.999, o_gemv16 x0.996 / x1.002, qkv_gemv8 x0.999 / x1.000, attn_gemv8
+x1.004 / x1.005 (the best: fp8 over bf16 x1.539 against x1.533), small_gemv8 x0.987 / x0.983, o_split2 x0.993 /
+x1.001, o_bn32 x0.999 / x0.999. None wins by the 1% a table change needs, so W8A16_TILES keeps one tile for every
+shape. The GEMV and 32-wide-MMA settings change the logits of the dummy model (which amplifies any rounding
+difference) by a relative L2 of 0.15-0.23, as a change of fp32 sum order does there; o_split2 leaves them equal.
+In the step, o and qkv thus cost about the same whichever tile serves them: their in-step rate (1.6-2.0 TB/s in
+the stop-47 profile) is set by the short kernel's ramp and tail, not by its tile.
 """
 
 from __future__ import annotations

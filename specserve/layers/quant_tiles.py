@@ -163,6 +163,9 @@ W8A16_INKERNEL_QUANT_MAX_ROWS = 0
 # - weights packed so that each 64 x 128 tile is one contiguous 8 KiB block: projections alone x0.98-1.01, the b1
 #   step x1.015 (results/fp8_tiles_h100.json), at the price of a second FP8 copy of every weight for the
 #   _scaled_mm path above 32 rows.
+# Stop 48, H100, the same A/B (benchmarks/fp8_step_knobs_gpu.py TILE_SETTINGS, results/fp8_step_tiles_h100.json): at
+# one row the CUDA-core GEMV without split K for o, qkv or both (8 x 512 or 16 x 512 tiles, as the bf16 step's GEMV),
+# o in 2 splits or on 32-wide MMA tiles: every one within x0.983-1.005 of this table at b1 and b8.
 W8A16_TILES = TileTable(
     by_rows={
         8: TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0, fp8_dot=True, prefetch=1),

@@ -3,6 +3,11 @@ it through a command queue and per-request ``asyncio.Queue`` streams.
 
 A handler calls ``generate()`` and iterates. If it stops iterating early (client disconnect, cancellation),
 the generator's ``finally`` aborts the request, which frees its KV blocks on the loop's next turn.
+
+A failed engine step fails the requests in it and the loop goes on. Should the loop itself die (an error outside
+a step: adding or aborting a request, the scheduler's bookkeeping), every waiting request gets an ``EngineError``,
+later ``generate`` calls raise at once, and ``errored`` turns True, so ``/health`` answers 503 and an
+orchestrator restarts the server instead of routing to one that would hang.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._died: str | None = None  # why the loop thread died (None: alive, stopped or not started)
+        self._died_lock = threading.Lock()  # orders a generate() call's command against the loop's death
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -74,6 +81,11 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
+    @property
+    def errored(self) -> bool:
+        """True once the loop thread has died of an error (not after ``shutdown``): ``/health`` answers 503."""
+        return self._died is not None
+
     # ---- API for handlers ------------------------------------------------------------------------
     def resolve_spec(self, method: str | None = None, num_spec_tokens: int | None = None) -> SpecParams:
         """``LLMEngine.resolve_spec``: safe from any thread (it reads only what the engine fixed at start)."""
@@ -84,7 +96,10 @@ class AsyncEngine:
         if self._thread is None:
             raise EngineError("engine loop is not running")
         stream: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, list(prompt_ids), params, stream, spec))
+        with self._died_lock:  # after the loop's death no command is queued: none would wait unanswered
+            if self._died is not None:
+                raise EngineError(f"engine loop has died: {self._died}")
+            self._commands.put(_Add(request_id, list(prompt_ids), params, stream, spec))
         finished = False
         try:
             while True:
@@ -130,6 +145,15 @@ class AsyncEngine:
                 self.engine.record_idle()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop is dead: answer everyone waiting, refuse the rest, report it
+            log.exception("engine loop died")
+            with self._died_lock:
+                self._died = f"{type(e).__name__}: {e}"
+            self._fail_streams(EngineError(f"engine loop has died: {self._died}"))
+
+    def _serve(self) -> None:
         import torch
         with torch.inference_mode():
             while not self._stopping.is_set():
@@ -158,5 +182,24 @@ class AsyncEngine:
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             self._deliver(rid, err)
+        for rid in list(self._streams):
+            self._deliver(rid, err)
+
+    def _fail_streams(self, err: Exception) -> None:
+        """``err`` to every request of a dead loop: those it had taken in and those still queued (commands are
+        no longer queued once ``_died`` is set, so draining the queue reaches every one). Their KV blocks are
+        released as far as the engine still can."""
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine's state is what killed the loop: answering the streams comes first
+                log.exception("could not abort request %s of the dead engine loop", rid)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                self._streams[cmd.request_id] = cmd.stream
         for rid in list(self._streams):
             self._deliver(rid, err)

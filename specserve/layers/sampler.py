@@ -95,10 +95,10 @@ def apply_top_k_top_p(
 
     On CUDA (fp32, ``SPECSERVE_DISABLE_TRITON_SAMPLER`` unset) ``_filter_thresholds`` computes the same filter
     without reading anything back to the host (the form here reads which rows are resolved)."""
-    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
     vocab, device = logits.shape[-1], logits.device
-    k_eff = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    k_eff = [kk if 0 < kk < vocab else vocab for kk in top_k]  # a top-k of the vocabulary or more keeps every token
+    if all(k == vocab for k in k_eff) and all(p >= 1.0 for p in top_p):
+        return logits
     if use_triton_sampler(logits):
         return _filter_thresholds(logits, k_eff, top_p)
     need = [0 if k == vocab and p >= 1.0 else k if p >= 1.0 else min(k, TOP_P_CANDIDATES)

@@ -343,6 +343,19 @@ def test_engine_exception_is_500_and_server_survives(fake_server: LiveServer) ->
     assert c.completions.create(model=server.model, prompt=PROMPT, max_tokens=4).choices[0].text
 
 
+def test_top_k_beyond_the_vocabulary_is_off_and_spares_the_batch(server: LiveServer) -> None:
+    """Any positive top_k is accepted (as in vLLM); one at or above the vocabulary keeps every token. Sampled
+    requests with such a top_k share steps with a greedy one, which still equals its run alone."""
+    alone = dict(messages=MESSAGES, max_tokens=24, temperature=0, seed=1)
+    want = concurrent_chat(server, [alone])[0]
+    sampled = [dict(messages=MESSAGES, max_tokens=24, temperature=1.0, seed=i, extra_body={"top_k": k})
+               for i, k in enumerate([1 << 20, 1 << 40, 2**62])]  # SmolLM2's vocabulary: 49,152
+    results = concurrent_chat(server, [alone, *sampled])
+    assert results[0] == want
+    assert all(text and finish in ("stop", "length") for text, finish in results[1:])
+    assert wait_until(lambda: server.engine.kv_cache_usage() == 0.0)
+
+
 # ---------------------------------------------------------------------------------- load and disconnect
 
 

@@ -40,7 +40,7 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 10_000), temperature=st.floats(0.2, 2.0), top_k=st.integers(0, 40),
+@given(seed=st.integers(0, 10_000), temperature=st.floats(0.2, 2.0), top_k=st.integers(0, 80),
        top_p=st.floats(0.05, 1.0))
 def test_filtered_distribution_matches_reference(seed, temperature, top_k, top_p) -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(seed)) * 3
@@ -120,6 +120,28 @@ def test_a_row_without_top_p_keeps_its_tail_beside_rows_with_it() -> None:
     beside = target_probs(logits, [plain, nucleus])
     assert torch.equal(beside[0], alone[0]) and bool((alone[0, 1:] > 0).all())
     assert int((beside[1] > 0).sum()) == 1  # the top-p row keeps its top token only
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 300),
+       rows=st.lists(st.tuples(st.sampled_from([0, 3, "vocab-1", "vocab", "vocab+1", 2**63 - 1]),
+                               st.sampled_from([1.0, 0.5])), min_size=1, max_size=5))
+@example(seed=0, vocab=50, rows=[("vocab", 1.0)])
+@example(seed=0, vocab=50, rows=[(2**63 - 1, 1.0), (3, 0.5)])
+def test_a_top_k_of_the_vocabulary_or_more_filters_nothing(seed, vocab, rows) -> None:
+    """A top-k at or above the vocabulary size (the API accepts any positive top_k, as vLLM does) keeps every
+    token, alone or beside filtered rows: the row comes out as with top-k off. (Once a batch of such rows with
+    top_p = 1 asked torch.topk for 0 candidates and failed the whole engine step.)"""
+    sizes = {"vocab-1": vocab - 1, "vocab": vocab, "vocab+1": vocab + 1}
+    top_k = [sizes.get(k, k) for k, _ in rows]
+    top_p = [p for _, p in rows]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    off = [0 if k >= vocab else k for k in top_k]
+    assert torch.equal(got, apply_top_k_top_p(logits, off, top_p))
+    for r, (k, p) in enumerate(zip(top_k, top_p)):
+        if k >= vocab and p >= 1.0:
+            assert torch.equal(got[r], logits[r])
 
 
 @settings(max_examples=40, deadline=None)

@@ -105,6 +105,7 @@ def build_app(async_engine: Any, served_model_name: str | None = None, *,
     app.state.metrics = metrics
     app.state.max_request_body_bytes = max_request_body_bytes
 
+    app.add_middleware(_InternalErrorJSON)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
@@ -142,6 +143,36 @@ async def _validation_error_handler(request: Request, exc: Exception) -> JSONRes
     param = str(errors[0]["loc"][-1]) if errors and errors[0].get("loc") else None
     message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:3])
     return _error_json(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+
+class _InternalErrorJSON:
+    """An unexpected error before the response started becomes the 500 error JSON here, inside the app.
+
+    Starlette answers an unhandled error in its outermost middleware and then re-raises it to the server, which
+    logs it a second time and closes the connection, so a keep-alive client's next request on it fails. Caught
+    here, the error is logged once and the connection stays usable. An error after the response started (a
+    stream) propagates: the streaming handlers report those in band themselves."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if started:
+                raise
+            await (await _internal_error_handler(Request(scope, receive), exc))(scope, receive, send)
 
 
 async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -6,9 +6,14 @@ top-level field. The server answers every validation failure with HTTP 400 (what
 FastAPI's default 422.
 
 Supported subset: one choice (``n == 1``), no logprobs, no penalties other than 0, text content parts only.
-``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM. Unknown fields are ignored, as
-OpenAI-compatible servers usually do. An explicit ``null`` for a field with a default (``"n": null``,
-``"stream": null``, ...) means that default, as in OpenAI's API, whose clients may send such nulls.
+``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM (a ``top_k`` of the vocabulary size or
+more keeps every token). Parameters that would change what a request gets and are not implemented (tool calling,
+structured output, vLLM's ``min_p`` / ``repetition_penalty`` / ``min_tokens`` / ``guided_*``: ``UNSUPPORTED``)
+are refused with a 400 naming them unless they carry their no-op value (``"tool_choice": "none"``,
+``"response_format": {"type": "text"}``, ``"min_p": 0``, ...), so that a client is never silently handed
+unconstrained text. Other unknown fields are ignored, as OpenAI-compatible servers usually do. An explicit
+``null`` for a field with a default (``"n": null``, ``"stream": null``, ...) means that default, as in OpenAI's
+API, whose clients may send such nulls.
 
 ``speculative`` (OpenAI clients send it through ``extra_body``) overrides the server's speculative decoding for
 one request: ``"off"``, or ``{"method": ..., "num_spec_tokens": ...}`` with either key optional (a missing one
@@ -18,10 +23,11 @@ keeps the server's default) and no other keys. Responses then report how specula
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from specserve.config import MAX_NUM_SPEC_TOKENS, SPEC_METHODS
 from specserve.spec.params import SpecCounters
@@ -80,6 +86,14 @@ class ChatMessage(BaseModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        """A system, developer or user message must say something (OpenAI answers 400 too); an assistant's or a
+        tool's may be null."""
+        if self.role in ("system", "developer", "user") and (self.content is None or self.content == []):
+            raise ValueError(f"content: required for a {self.role} message")
+        return self
+
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines (as vLLM does)."""
         if self.content is None:
@@ -107,6 +121,26 @@ class SpeculativeOptions(BaseModel):
 
 SPECULATIVE_OFF = "off"
 
+# Request fields this server does not implement -> the values that ask for nothing (accepted; so is null). Any
+# other value is a 400 naming the field: ignoring it would hand the client what it did not ask for.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "logits_processors": ([],), "bad_words": ([],),
+}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _refuse(table: dict[str, tuple[Any, ...]], name: str, value: Any) -> Any:
+    """``value`` when it is null or one of ``table[name]``'s no-op values (same type too: ``true`` is not 1),
+    else a validation error for field ``name``."""
+    if value is not None and not any(value == v and type(value) is type(v) for v in table[name]):
+        raise ValueError("not supported by this server" + (
+            f" (only {json.dumps(table[name][0])} is accepted)" if table[name] else ""))
+    return value
+
 
 class _SamplingRequest(BaseModel):
     """Fields shared by chat completions and completions."""
@@ -130,6 +164,21 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     speculative: SpeculativeOptions | None = None  # "off" arrives as method "none"
+    # UNSUPPORTED: refused unless null or a no-op value
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    logits_processors: Any = None
+    bad_words: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _refuse_unsupported(cls, v: Any, info: Any) -> Any:
+        return _refuse(UNSUPPORTED, info.field_name, v)
 
     @field_validator("stream", "n", "ignore_eos", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -211,6 +260,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # UNSUPPORTED_CHAT: refused unless null or a no-op value
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator(*UNSUPPORTED_CHAT)
+    @classmethod
+    def _refuse_unsupported_chat(cls, v: Any, info: Any) -> Any:
+        return _refuse(UNSUPPORTED_CHAT, info.field_name, v)
 
     @field_validator("logprobs")
     @classmethod

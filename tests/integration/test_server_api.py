@@ -7,7 +7,9 @@ to the real one: streamed text == non-streamed text, usage counts, include_usage
 
 from __future__ import annotations
 
+import http.client
 import json
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -41,11 +43,14 @@ def test_health_and_models(server: LiveServer) -> None:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_explicit_nulls_mean_the_defaults(server: LiveServer, endpoint: str) -> None:
-    # OpenAI's API takes null for its optional fields; clients that serialise every field send them.
+    # OpenAI's API takes null for its optional fields; clients that serialise every field send them. The fields
+    # this server refuses (protocol.UNSUPPORTED) pass with null or the value that asks for nothing.
     nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "ignore_eos": None,
-             "stop": None, "seed": None, "temperature": 0}
+             "stop": None, "seed": None, "temperature": 0, "min_p": 0, "repetition_penalty": 1.0, "min_tokens": None,
+             "guided_json": None}
     if endpoint == "chat":
         path, body = "/chat/completions", {"messages": MESSAGES}
+        nulls |= {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "function_call": None}
     else:
         path, body = "/completions", {"prompt": PROMPT, "echo": None}
     with httpx.Client(base_url=server.api_url, timeout=60) as http:
@@ -262,6 +267,15 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (chat, {"messages": msgs, "speculative": {"num_spec_tokens": 17}}, 400, "speculative"),
         (chat, {"messages": msgs, "speculative": {"foo": 1}}, 400, "speculative"),
         (chat, {"messages": []}, 400, "messages"),
+        (chat, {"messages": [{"role": "user"}]}, 400, "messages"),
+        (chat, {"messages": [{"role": "system", "content": []}, *msgs]}, 400, "messages"),
+        (chat, {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (chat, {"messages": msgs, "tool_choice": "auto"}, 400, "tool_choice"),
+        (chat, {"messages": msgs, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (chat, {"messages": msgs, "min_p": 0.05}, 400, "min_p"),
+        (chat, {"messages": msgs, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        (comp, {"prompt": "x", "min_tokens": 4}, 400, "min_tokens"),
+        (comp, {"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
         (chat, {}, 400, "messages"),
         (chat, {"messages": "hi"}, 400, "messages"),
         (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
@@ -354,6 +368,25 @@ def test_top_k_beyond_the_vocabulary_is_off_and_spares_the_batch(server: LiveSer
     assert results[0] == want
     assert all(text and finish in ("stop", "length") for text, finish in results[1:])
     assert wait_until(lambda: server.engine.kv_cache_usage() == 0.0)
+
+
+def test_a_500_keeps_the_connection_open(fake_server: LiveServer) -> None:
+    """After an internal error's 500 the same keep-alive connection serves the next request (the server once
+    closed it, so a client's next request on a pooled connection failed)."""
+    server = fake_server
+    conn = http.client.HTTPConnection(urlsplit(server.base_url).netloc, timeout=30)
+    conn.auto_open = 0  # a closed connection must fail the second request, not be silently reopened
+    conn.connect()
+    try:
+        for prompt, status in ((FAIL_MARKER, 500), (PROMPT, 200)):
+            conn.request("POST", "/v1/completions", headers={"content-type": "application/json"},
+                         body=json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 4}))
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == status, body
+        assert body["choices"][0]["text"]
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------------------------- load and disconnect

@@ -116,7 +116,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        if self._died is None:  # a dead loop drains no queue: its requests were answered and aborted already
+            self._commands.put(_Abort(request_id))
 
     def kv_cache_usage(self) -> float:
         return self.engine.block_manager.usage()

@@ -184,10 +184,20 @@ async def _internal_error_handler(request: Request, exc: Exception) -> JSONRespo
 # ---------------------------------------------------------------------------------------- simple routes
 
 
+ENGINE_DEAD = "engine loop has died"
+
+
 async def health(request: Request) -> Response:
     if getattr(request.app.state.engine, "errored", False):
-        return _error_json(503, ErrorInfo(message="engine loop has died", type="service_unavailable"))
+        return _error_json(503, ErrorInfo(message=ENGINE_DEAD, type="service_unavailable"))
     return Response(status_code=200)
+
+
+def _check_engine_alive(request: Request) -> None:
+    """503 before anything is sent (streamed or not) once the engine loop has died: a client or proxy retries
+    elsewhere instead of reading a 200 stream that carries only an error."""
+    if getattr(request.app.state.engine, "errored", False):
+        raise APIError(ENGINE_DEAD, status_code=503, type="service_unavailable")
 
 
 async def list_models(request: Request) -> ModelList:
@@ -506,6 +516,7 @@ class _EventStreamResponse(StreamingResponse):
 
 
 async def create_chat_completion(request: Request) -> Response:
+    _check_engine_alive(request)
     prep = await _prepare_chat(request)
     engine = request.app.state.engine
     if prep.stream:
@@ -521,6 +532,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def create_completion(request: Request) -> Response:
+    _check_engine_alive(request)
     prep = await _prepare_completion(request)
     engine = request.app.state.engine
     if prep.stream:

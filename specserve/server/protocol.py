@@ -8,12 +8,12 @@ FastAPI's default 422.
 Supported subset: one choice (``n == 1``), no logprobs, no penalties other than 0, text content parts only.
 ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted as in vLLM (a ``top_k`` of the vocabulary size or
 more keeps every token). Parameters that would change what a request gets and are not implemented (tool calling,
-structured output, vLLM's ``min_p`` / ``repetition_penalty`` / ``min_tokens`` / ``guided_*``: ``UNSUPPORTED``)
-are refused with a 400 naming them unless they carry their no-op value (``"tool_choice": "none"``,
-``"response_format": {"type": "text"}``, ``"min_p": 0``, ...), so that a client is never silently handed
-unconstrained text. Other unknown fields are ignored, as OpenAI-compatible servers usually do. An explicit
-``null`` for a field with a default (``"n": null``, ``"stream": null``, ...) means that default, as in OpenAI's
-API, whose clients may send such nulls.
+structured output, vLLM's ``min_p`` / ``repetition_penalty`` / ``min_tokens`` / ``structured_outputs`` /
+``guided_*`` / ``allowed_token_ids``: ``UNSUPPORTED``) are refused with a 400 naming them unless they carry their
+no-op value (``"tool_choice": "none"``, ``"response_format": {"type": "text"}``, ``"min_p": 0``, ...), so that a
+client is never silently handed unconstrained text. Other unknown fields are ignored, as OpenAI-compatible
+servers usually do. An explicit ``null`` for a field with a default (``"n": null``, ``"stream": null``, ...)
+means that default, as in OpenAI's API, whose clients may send such nulls.
 
 ``speculative`` (OpenAI clients send it through ``extra_body``) overrides the server's speculative decoding for
 one request: ``"off"``, or ``{"method": ..., "num_spec_tokens": ...}`` with either key optional (a missing one
@@ -124,19 +124,28 @@ SPECULATIVE_OFF = "off"
 # Request fields this server does not implement -> the values that ask for nothing (accepted; so is null). Any
 # other value is a 400 naming the field: ignoring it would hand the client what it did not ask for.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "logits_processors": ([],), "bad_words": ([],),
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "response_format": ({"type": "text"},),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "allowed_token_ids": (), "logits_processors": ([],), "bad_words": ([],),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},),
 }
 
 
+def _is_noop(value: Any, noop: Any) -> bool:
+    """``value`` asks for what ``noop`` does: equal and of the same type (``true`` is not 1); an object may also
+    carry other keys set to null (``{"type": "text", "json_schema": null}``)."""
+    if isinstance(noop, dict) and isinstance(value, dict):
+        return all(value.get(key) == v for key, v in noop.items()) and all(
+            value[key] is None for key in value.keys() - noop.keys())
+    return value == noop and type(value) is type(noop)
+
+
 def _refuse(table: dict[str, tuple[Any, ...]], name: str, value: Any) -> Any:
-    """``value`` when it is null or one of ``table[name]``'s no-op values (same type too: ``true`` is not 1),
-    else a validation error for field ``name``."""
-    if value is not None and not any(value == v and type(value) is type(v) for v in table[name]):
+    """``value`` when it is null or one of ``table[name]``'s no-op values, else a validation error for field
+    ``name``."""
+    if value is not None and not any(_is_noop(value, v) for v in table[name]):
         raise ValueError("not supported by this server" + (
             f" (only {json.dumps(table[name][0])} is accepted)" if table[name] else ""))
     return value
@@ -168,10 +177,13 @@ class _SamplingRequest(BaseModel):
     min_p: Any = None
     repetition_penalty: Any = None
     min_tokens: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    allowed_token_ids: Any = None
     logits_processors: Any = None
     bad_words: Any = None
 
@@ -265,7 +277,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
     @field_validator(*UNSUPPORTED_CHAT)
     @classmethod

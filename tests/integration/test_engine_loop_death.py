@@ -1,6 +1,6 @@
 """The server's engine loop dying of an error outside an engine step (``engine/async_engine.py``): the request in
 flight gets an error response instead of hanging, ``/health`` turns 503 so that an orchestrator restarts the
-server, and later requests fail at once. The real ``AsyncEngine`` over a stub ``LLMEngine`` whose
+server, and later requests get a 503 at once. The real ``AsyncEngine`` over a stub ``LLMEngine`` whose
 ``add_request`` raises (an error the loop does not expect: not the ``ValueError`` of a rejected request)."""
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def test_a_dead_engine_loop_answers_fails_fast_and_reports_unhealthy(broken: Liv
     health = httpx.get(f"{broken.base_url}/health")
     assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable"
     assert broken.engine.engine.aborted and not broken.engine.engine.requests  # released as far as it could
-    later = httpx.post(f"{broken.api_url}/completions", json={**body, "stream": False}, timeout=30)
-    assert later.status_code == 500 and "engine loop has died" in later.json()["error"]["message"]
+    for later_stream in (False, True):  # refused before any response starts, streamed or not: a 503 to retry
+        later = httpx.post(f"{broken.api_url}/completions", json={**body, "stream": later_stream}, timeout=30)
+        assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable"
     assert wait_until(lambda: not broken.engine._streams)
+    assert broken.engine._commands.empty()  # nothing left queued for a loop that will never read it

@@ -47,10 +47,10 @@ def test_explicit_nulls_mean_the_defaults(server: LiveServer, endpoint: str) -> 
     # this server refuses (protocol.UNSUPPORTED) pass with null or the value that asks for nothing.
     nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "ignore_eos": None,
              "stop": None, "seed": None, "temperature": 0, "min_p": 0, "repetition_penalty": 1.0, "min_tokens": None,
-             "guided_json": None}
+             "guided_json": None, "response_format": {"type": "text", "json_schema": None}, "allowed_token_ids": None}
     if endpoint == "chat":
         path, body = "/chat/completions", {"messages": MESSAGES}
-        nulls |= {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "function_call": None}
+        nulls |= {"tools": [], "tool_choice": "none", "function_call": None}
     else:
         path, body = "/completions", {"prompt": PROMPT, "echo": None}
     with httpx.Client(base_url=server.api_url, timeout=60) as http:
@@ -276,6 +276,11 @@ def _bad_cases(max_model_len: int) -> list[tuple[str, dict, int, str | None]]:
         (chat, {"messages": msgs, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
         (comp, {"prompt": "x", "min_tokens": 4}, 400, "min_tokens"),
         (comp, {"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+        (comp, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (comp, {"prompt": "x", "structured_outputs": {"regex": "[a-z]+"}}, 400, "structured_outputs"),
+        (comp, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids"),
+        (chat, {"messages": msgs, "response_format": {"type": "text", "json_schema": {"a": 1}}}, 400,
+         "response_format"),
         (chat, {}, 400, "messages"),
         (chat, {"messages": "hi"}, 400, "messages"),
         (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),

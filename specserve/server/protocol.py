@@ -142,12 +142,13 @@ def _is_noop(value: Any, noop: Any) -> bool:
     return value == noop and type(value) is type(noop)
 
 
-def _refuse(table: dict[str, tuple[Any, ...]], name: str, value: Any) -> Any:
-    """``value`` when it is null or one of ``table[name]``'s no-op values, else a validation error for field
-    ``name``."""
-    if value is not None and not any(_is_noop(value, v) for v in table[name]):
+def _refuse(name: str, value: Any) -> Any:
+    """``value`` when it is null or one of field ``name``'s no-op values (``UNSUPPORTED`` / ``UNSUPPORTED_CHAT``),
+    else a validation error for the field."""
+    noops = UNSUPPORTED.get(name, UNSUPPORTED_CHAT.get(name, ()))
+    if value is not None and not any(_is_noop(value, v) for v in noops):
         raise ValueError("not supported by this server" + (
-            f" (only {json.dumps(table[name][0])} is accepted)" if table[name] else ""))
+            f" (only {json.dumps(noops[0])} is accepted)" if noops else ""))
     return value
 
 
@@ -187,10 +188,10 @@ class _SamplingRequest(BaseModel):
     logits_processors: Any = None
     bad_words: Any = None
 
-    @field_validator(*UNSUPPORTED)
+    @field_validator(*UNSUPPORTED, *UNSUPPORTED_CHAT, check_fields=False)  # the chat fields: on the chat request
     @classmethod
     def _refuse_unsupported(cls, v: Any, info: Any) -> Any:
-        return _refuse(UNSUPPORTED, info.field_name, v)
+        return _refuse(info.field_name, v)
 
     @field_validator("stream", "n", "ignore_eos", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -277,11 +278,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-
-    @field_validator(*UNSUPPORTED_CHAT)
-    @classmethod
-    def _refuse_unsupported_chat(cls, v: Any, info: Any) -> Any:
-        return _refuse(UNSUPPORTED_CHAT, info.field_name, v)
 
     @field_validator("logprobs")
     @classmethod

@@ -280,8 +280,16 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         torch.set_num_threads(args.threads)
     try:
         engine = LLMEngine.from_config(config)
-    except FileNotFoundError as exc:  # a --model or --spec-model path that is not there
-        args.error(config_error_message(exc))
+    except (OSError, ValueError) as exc:  # a --model / --spec-model path that is not there or not a model, a head
+        # that does not fit the model, ...: one line naming the field (the traceback at --log-level debug)
+        logging.getLogger(__name__).debug("loading the engine failed", exc_info=exc)
+        message = config_error_message(exc)
+        if message == str(exc):  # the error names no field: say what was being loaded
+            paths = [f"--model {config.model or '(the default model)'}"]
+            if config.speculative.model:
+                paths.append(f"--spec-model {config.speculative.model}")
+            message = f"could not load {', '.join(paths)}: {exc}"
+        args.error(message)
     name = args.served_model_name or default_served_name(config.model, engine.model_config.name)
     metrics = ServingMetrics(name, max_model_len=engine.max_model_len, spec_methods=list(engine.proposers))
     async_engine = AsyncEngine(engine, metrics, model_name=name)

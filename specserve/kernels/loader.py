@@ -8,10 +8,12 @@ whose ``SPECSERVE_DISABLE_*`` variable is set, loads as None and callers keep th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -35,23 +37,31 @@ def cpu_has_avx2_fma() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-# torch's extension builder takes ``<build_dir>/lock`` and waits for it forever; a process killed while holding it
-# (even one that only loaded a cached build) would hang every later start. No build takes this long.
-STALE_LOCK_SECONDS = 600
+# torch's extension builder takes ``<build_dir>/lock`` (a file created exclusively, deleted when done) and waits for
+# it forever: a process killed while holding it (even one that only loaded a cached build) would hang every later
+# start without a word. So every builder first takes this lock, an flock(2) that the kernel releases when its
+# holder dies; whoever holds it is the only builder, and a torch lock file found then is a dead process's.
+BUILDER_LOCK = "builder.flock"
 
 
-def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (its holder is gone); True if removed."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def builder_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s builder lock (waiting for a live holder, logged) and clear a dead builder's torch lock
+    file inside it."""
+    with open(build_dir / BUILDER_LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building the kernel in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing the build lock of a process that died while building: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,9 @@ class CpuKernel:
         if cpu_has_avx2_fma():
             flags += ["-mavx2", "-mfma"]
         self.build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(self.build_dir)
-        return load(name=self.module_name, sources=[str(KERNEL_DIR / self.source)], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(self.build_dir), verbose=False)
+        with builder_lock(self.build_dir):
+            return load(name=self.module_name, sources=[str(KERNEL_DIR / self.source)], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(self.build_dir), verbose=False)
 
     def load(self) -> ModuleType | None:
         """The compiled module (built once per process), or None (logged) when disabled or unbuildable."""

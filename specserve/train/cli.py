@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 
 from specserve.config import TrainDraftConfig
 
@@ -54,7 +55,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from specserve.train.pipeline import train_draft
+    from specserve.train.pipeline import NoSamplesError, train_draft
 
     try:
         cfg = TrainDraftConfig(**{name: getattr(args, name) for name in _FLAGS}, init_head=args.init_head)
@@ -64,7 +65,17 @@ def main(args: argparse.Namespace) -> int:
         args.error("--self-prompts: data generation is skipped with --data (its samples are reused)")
     if not args.prompts and not args.data and not cfg.self_prompts:
         args.error("--prompts: give prompt files (or --data with generated samples, or --self-prompts N)")
-    train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
-                args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data,
-                decontaminate=args.decontaminate)
+    missing = [d for d in args.data or [] if not (Path(d) / "data_train.npz").is_file()]
+    if missing:
+        args.error(f"argument --data: no data_train.npz in {', '.join(missing)} (give the --out of an earlier run)")
+    missing = [f for f in args.prompts or [] if not Path(f).exists()]
+    if missing:
+        args.error(f"argument --prompts: {', '.join(missing)} does not exist")
+    try:
+        train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
+                    args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data,
+                    decontaminate=args.decontaminate)
+    except (FileNotFoundError, NoSamplesError) as exc:  # "field: message" of a path or of too few prompts
+        field, _, message = str(exc).partition(": ")
+        args.error(f"argument --{field.replace('_', '-')}: {message}" if message else str(exc))
     return 0

@@ -138,6 +138,10 @@ def export_head(head, out_dir: Path, verifier: str, dtype: torch.dtype = torch.b
     return sorted(f.name for f in out_dir.glob("model*.safetensors"))
 
 
+class NoSamplesError(ValueError):
+    """Data generation gave no training or no held-out samples (too few prompts)."""
+
+
 def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir: str | Path, device_name: str,
                 data_dir: str | list[str] | None = None, per_file_limit: int | None = None,
                 max_model_len: int = 2048, max_num_seqs: int = 256, kv_gib: float = 8.0,
@@ -167,6 +171,9 @@ def train_draft(target: str, cfg: TrainDraftConfig, prompts: list[str], out_dir:
         train, held, report["data"] = generate_data(parts, cfg, expand_paths(prompts), device, per_file_limit,
                                                     max_model_len, max_num_seqs, kv_gib, progress,
                                                     decontaminate=[Path(p) for p in decontaminate or []])
+        if not train or not held:  # saved, an empty set would be reused by the next run on this --out
+            raise NoSamplesError(f"prompts: generation gave {len(train)} training and {len(held)} held-out samples; "
+                             "give more prompts (--prompts, --self-prompts)")
         save_samples(train, out / "data_train.npz")
         save_samples(held, out / "data_held_out.npz")
     for src in map(Path, extra_data or []):

@@ -78,6 +78,21 @@ def test_bad_config_values_are_argparse_errors_naming_the_flag(flags: list[str],
     assert "usage: specserve serve" in err and f"error: argument {flag}: " in err
 
 
+@pytest.mark.parametrize("make, expect", [
+    (lambda d: (d / "m.gguf").write_bytes(b"GGUF" + bytes(60)) and d / "m.gguf", "could not load --model "),
+    (lambda d: d, "could not load --model "),  # a directory without config.json
+    (lambda d: d / "missing.gguf", "argument --model: "),
+])
+def test_a_model_that_does_not_load_is_a_one_line_error(tmp_path, make, expect, capsys) -> None:
+    """A --model that is not there or not a model: exit 2 with one line naming the flag, not a traceback."""
+    model = make(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", str(model), "--device", "cpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {expect}" in err and str(model) in err and "Traceback" not in err
+
+
 def test_bad_spec_method_is_rejected_by_argparse(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--spec-method", "medusa"])
@@ -146,3 +161,19 @@ def test_make_serve_defaults_to_the_shipped_eagle3_head() -> None:
     assert head.config.aux_layer_ids == (2, 15, 27)
     d2t = head.d2t + torch.arange(len(head.d2t))  # draft index -> target id: distinct ids of the vocabulary
     assert len(set(d2t.tolist())) == len(d2t) and int(d2t.max()) < 49152
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--data", "{tmp}/no-run-here"], "argument --data: no data_train.npz in "),
+    (["--prompts", "{tmp}/missing.jsonl"], "argument --prompts: "),
+])
+def test_train_draft_paths_are_checked_before_anything_is_written(tmp_path, flags, expect, capsys) -> None:
+    """A --data directory without samples (once silently regenerated from no prompts into empty sample files that
+    later runs reused) or a missing --prompts file: exit 2 naming the flag, and no --out directory left behind."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        main(["train-draft", "--out", str(out), *[f.format(tmp=tmp_path) for f in flags]])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {expect}" in err and "Traceback" not in err
+    assert not out.exists()

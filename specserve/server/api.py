@@ -188,14 +188,13 @@ ENGINE_DEAD = "engine loop has died"
 
 
 async def health(request: Request) -> Response:
-    if getattr(request.app.state.engine, "errored", False):
-        return _error_json(503, ErrorInfo(message=ENGINE_DEAD, type="service_unavailable"))
+    _check_engine_alive(request)
     return Response(status_code=200)
 
 
 def _check_engine_alive(request: Request) -> None:
-    """503 before anything is sent (streamed or not) once the engine loop has died: a client or proxy retries
-    elsewhere instead of reading a 200 stream that carries only an error."""
+    """503 once the engine loop has died: from /health, and from a completion before anything is sent (streamed or
+    not), so that a client or proxy retries elsewhere instead of reading a 200 stream that carries only an error."""
     if getattr(request.app.state.engine, "errored", False):
         raise APIError(ENGINE_DEAD, status_code=503, type="service_unavailable")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
@@ -142,14 +142,16 @@ def _is_noop(value: Any, noop: Any) -> bool:
     return value == noop and type(value) is type(noop)
 
 
-def _refuse(name: str, value: Any) -> Any:
-    """``value`` when it is null or one of field ``name``'s no-op values (``UNSUPPORTED`` / ``UNSUPPORTED_CHAT``),
-    else a validation error for the field."""
-    noops = UNSUPPORTED.get(name, UNSUPPORTED_CHAT.get(name, ()))
-    if value is not None and not any(_is_noop(value, v) for v in noops):
-        raise ValueError("not supported by this server" + (
-            f" (only {json.dumps(noops[0])} is accepted)" if noops else ""))
-    return value
+def _refuse_unsupported(table: dict[str, tuple[Any, ...]], data: Any) -> Any:
+    """The raw request ``data`` when each field of ``table`` in it is null or one of its no-op values, else the 400
+    naming the first other one (an ``APIError`` passes through pydantic's validation untouched)."""
+    if isinstance(data, dict):
+        for name, noops in table.items():
+            value = data.get(name)
+            if value is not None and not any(_is_noop(value, v) for v in noops):
+                raise APIError(f"{name}: not supported by this server" + (
+                    f" (only {json.dumps(noops[0])} is accepted)" if noops else ""), param=name)
+    return data
 
 
 class _SamplingRequest(BaseModel):
@@ -174,24 +176,12 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     speculative: SpeculativeOptions | None = None  # "off" arrives as method "none"
-    # UNSUPPORTED: refused unless null or a no-op value
-    min_p: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    allowed_token_ids: Any = None
-    logits_processors: Any = None
-    bad_words: Any = None
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED  # refused unless null or a no-op value
 
-    @field_validator(*UNSUPPORTED, *UNSUPPORTED_CHAT, check_fields=False)  # the chat fields: on the chat request
+    @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, v: Any, info: Any) -> Any:
-        return _refuse(info.field_name, v)
+    def _refuse_unsupported_fields(cls, data: Any) -> Any:
+        return _refuse_unsupported(cls.unsupported, data)
 
     @field_validator("stream", "n", "ignore_eos", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -273,11 +263,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # UNSUPPORTED_CHAT: refused unless null or a no-op value
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED | UNSUPPORTED_CHAT
 
     @field_validator("logprobs")
     @classmethod

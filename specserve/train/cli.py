@@ -55,6 +55,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from specserve.cli import config_error_message
+    from specserve.train.data import expand_paths
     from specserve.train.pipeline import NoSamplesError, train_draft
 
     try:
@@ -68,14 +70,11 @@ def main(args: argparse.Namespace) -> int:
     missing = [d for d in args.data or [] if not (Path(d) / "data_train.npz").is_file()]
     if missing:
         args.error(f"argument --data: no data_train.npz in {', '.join(missing)} (give the --out of an earlier run)")
-    missing = [f for f in args.prompts or [] if not Path(f).exists()]
-    if missing:
-        args.error(f"argument --prompts: {', '.join(missing)} does not exist")
     try:
+        expand_paths(args.prompts)  # a missing prompt file, before the target is loaded or --out written
         train_draft(args.target, cfg, args.prompts, args.out, args.device, args.data, args.per_file_limit,
                     args.max_model_len, args.max_num_seqs, args.kv_cache_gib, extra_data=args.extra_data,
                     decontaminate=args.decontaminate)
     except (FileNotFoundError, NoSamplesError) as exc:  # "field: message" of a path or of too few prompts
-        field, _, message = str(exc).partition(": ")
-        args.error(f"argument --{field.replace('_', '-')}: {message}" if message else str(exc))
+        args.error(config_error_message(exc))
     return 0
